@@ -1,0 +1,115 @@
+"""The Bus interface every service talks through; RabbitMQ and in-memory implement it.
+
+Threading contract (pika's, kept by both implementations): handlers, timers and
+`call_soon` callbacks run on the bus's own dispatch thread, inside `run()`.
+`publish`, `request`, `Delivery.ack`, `Delivery.reject`, `call_soon` and `stop`
+may be called from any thread.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(eq=False)
+class Delivery(ABC):
+    """One message handed to a consumer; it must be acked or rejected exactly once."""
+
+    body: bytes
+    queue: str
+    redelivered: bool = False
+    reply_to: str | None = None
+    correlation_id: str | None = None
+    headers: dict[str, Any] = field(default_factory=dict)
+
+    @abstractmethod
+    def ack(self) -> None:
+        """The message is handled; the broker forgets it. Thread-safe."""
+
+    @abstractmethod
+    def reject(self, reason: str) -> None:
+        """The message is bad: dead-letter it with the reason. Thread-safe."""
+
+    @abstractmethod
+    def requeue(self) -> None:
+        """Give the message back for another consumer (shutdown mid-task). Thread-safe."""
+
+
+Handler = Callable[[Delivery], None]
+EventHandler = Callable[[bytes], None]
+
+
+class Timer(ABC):
+    @abstractmethod
+    def cancel(self) -> None: ...
+
+
+class Bus(ABC):
+    """Publish, consume with ack/reject, request/reply, and timers on one dispatch thread."""
+
+    @abstractmethod
+    def publish(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        reply_to: str | None = None,
+        correlation_id: str | None = None,
+        headers: dict[str, Any] | None = None,
+    ) -> None:
+        """Send to a named queue; returns once the broker holds the message."""
+
+    @abstractmethod
+    def publish_event(self, topic: str, body: bytes) -> None:
+        """Fan out to every subscriber whose pattern matches `topic` (best effort)."""
+
+    @abstractmethod
+    def consume(self, queue: str, handler: Handler, *, prefetch: int = 1) -> None:
+        """Deliver the queue's messages to `handler`, at most `prefetch` unacked at a time."""
+
+    @abstractmethod
+    def subscribe(self, pattern: str, handler: EventHandler) -> None:
+        """Receive events whose topic matches `pattern` (`*` one word, `#` any)."""
+
+    @abstractmethod
+    def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
+        """Publish with a reply address and wait for the reply; raises TimeoutError."""
+
+    @abstractmethod
+    def reply(self, delivery: Delivery, body: bytes) -> None:
+        """Answer a request delivered to this bus."""
+
+    @abstractmethod
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        """Run `callback` on the dispatch thread after `delay` seconds."""
+
+    @abstractmethod
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on the dispatch thread as soon as it is free. Thread-safe."""
+
+    @abstractmethod
+    def run(self) -> None:
+        """Dispatch until `stop()`; call from the thread that owns the bus."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Make `run()` return; unacked deliveries go back to their queues. Thread-safe."""
+
+
+def topic_matches(pattern: str, topic: str) -> bool:
+    """AMQP topic matching: words split by '.', '*' is one word, '#' zero or more."""
+    return _match(pattern.split("."), topic.split("."))
+
+
+def _match(pat: list[str], words: list[str]) -> bool:
+    if not pat:
+        return not words
+    head, rest = pat[0], pat[1:]
+    if head == "#":
+        return any(_match(rest, words[i:]) for i in range(len(words) + 1))
+    if not words:
+        return False
+    return (head in ("*", words[0])) and _match(rest, words[1:])

@@ -1,0 +1,309 @@
+"""In-memory bus: the same contract as RabbitMQ inside one process.
+
+One `MemoryBroker` holds the queues; each service gets its own `MemoryBus`
+(like its own connection) with one dispatch thread. Semantics follow the
+broker's: round-robin delivery within prefetch, manual acks, redelivery of
+unacked messages when a bus stops, a delivery limit, dead letters with reasons.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import queue
+import threading
+import time
+import uuid
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from common.bus.base import Bus, Delivery, EventHandler, Handler, Timer, topic_matches
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class DeadLetter:
+    queue: str
+    body: bytes
+    reason: str
+
+
+@dataclass
+class _Message:
+    body: bytes
+    reply_to: str | None
+    correlation_id: str | None
+    headers: dict[str, Any]
+    deliveries: int = 0
+
+
+@dataclass(eq=False)
+class _Consumer:
+    bus: MemoryBus
+    handler: Handler
+    prefetch: int
+    unacked: set[MemoryDelivery] = field(default_factory=set)
+
+
+@dataclass
+class _Queue:
+    ready: deque[_Message] = field(default_factory=deque)
+    consumers: list[_Consumer] = field(default_factory=list)
+    turn: int = 0
+
+
+class MemoryBroker:
+    """Queues, topic subscriptions and dead letters shared by every MemoryBus."""
+
+    def __init__(self, delivery_limit: int = 20) -> None:
+        self.delivery_limit = delivery_limit
+        self.dead_letters: list[DeadLetter] = []
+        self._lock = threading.RLock()
+        self._queues: dict[str, _Queue] = defaultdict(_Queue)
+        self._subscriptions: list[tuple[str, MemoryBus, EventHandler]] = []
+        self._waiters: dict[str, _Waiter] = {}
+
+    def connect(self) -> MemoryBus:
+        return MemoryBus(self)
+
+    def depth(self, name: str) -> int:
+        """Messages ready plus unacked on a queue."""
+        with self._lock:
+            q = self._queues[name]
+            return len(q.ready) + sum(len(c.unacked) for c in q.consumers)
+
+    def _publish(self, name: str, message: _Message) -> None:
+        with self._lock:
+            waiter = self._waiters.get(name)
+            if waiter is not None:
+                waiter.set(message.body)
+                return
+            self._queues[name].ready.append(message)
+            self._dispatch(name)
+
+    def _publish_event(self, topic: str, body: bytes) -> None:
+        with self._lock:
+            targets = [(b, h) for p, b, h in self._subscriptions if topic_matches(p, topic)]
+        for bus, handler in targets:
+            bus.call_soon(lambda h=handler: h(body))
+
+    def _dispatch(self, name: str) -> None:
+        q = self._queues[name]
+        while q.ready:
+            consumer = self._next_consumer(q)
+            if consumer is None:
+                return
+            message = q.ready.popleft()
+            message.deliveries += 1
+            delivery = MemoryDelivery(
+                body=message.body,
+                queue=name,
+                redelivered=message.deliveries > 1,
+                reply_to=message.reply_to,
+                correlation_id=message.correlation_id,
+                headers=dict(message.headers),
+                _broker=self,
+                _consumer=consumer,
+                _message=message,
+            )
+            consumer.unacked.add(delivery)
+            consumer.bus.call_soon(lambda c=consumer, d=delivery: c.bus._handle(c.handler, d))
+
+    @staticmethod
+    def _next_consumer(q: _Queue) -> _Consumer | None:
+        for _ in range(len(q.consumers)):
+            consumer = q.consumers[q.turn % len(q.consumers)]
+            q.turn += 1
+            if len(consumer.unacked) < consumer.prefetch:
+                return consumer
+        return None
+
+    def _settle(self, delivery: MemoryDelivery, outcome: str, reason: str = "") -> None:
+        with self._lock:
+            consumer = delivery._consumer
+            if delivery not in consumer.unacked:
+                return  # already settled, or returned when its bus stopped
+            consumer.unacked.discard(delivery)
+            if outcome == "reject":
+                self.dead_letters.append(DeadLetter(delivery.queue, delivery.body, reason))
+            elif outcome == "requeue":
+                self._return(delivery.queue, delivery._message)
+            self._dispatch(delivery.queue)
+
+    def _return(self, name: str, message: _Message) -> None:
+        if message.deliveries >= self.delivery_limit:
+            self.dead_letters.append(DeadLetter(name, message.body, "delivery_limit"))
+        else:
+            self._queues[name].ready.appendleft(message)
+
+    def _add_consumer(self, name: str, consumer: _Consumer) -> None:
+        with self._lock:
+            self._queues[name].consumers.append(consumer)
+            self._dispatch(name)
+
+    def _detach(self, bus: MemoryBus) -> None:
+        """A bus went away: like a closed connection, its unacked messages are redelivered."""
+        with self._lock:
+            self._subscriptions = [s for s in self._subscriptions if s[1] is not bus]
+            for name, q in self._queues.items():
+                mine = [c for c in q.consumers if c.bus is bus]
+                q.consumers = [c for c in q.consumers if c.bus is not bus]
+                for consumer in mine:
+                    for delivery in consumer.unacked:
+                        self._return(name, delivery._message)
+                    consumer.unacked.clear()
+                self._dispatch(name)
+
+
+@dataclass(eq=False)
+class MemoryDelivery(Delivery):
+    _broker: MemoryBroker | None = None
+    _consumer: _Consumer | None = None
+    _message: _Message | None = None
+
+    def ack(self) -> None:
+        assert self._broker is not None
+        self._broker._settle(self, "ack")
+
+    def reject(self, reason: str) -> None:
+        assert self._broker is not None
+        self._broker._settle(self, "reject", reason)
+
+    def requeue(self) -> None:
+        assert self._broker is not None
+        self._broker._settle(self, "requeue")
+
+
+class _Waiter:
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.body = b""
+
+    def set(self, body: bytes) -> None:
+        self.body = body
+        self._event.set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+
+class _MemoryTimer(Timer):
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class MemoryBus(Bus):
+    """One service's connection to a MemoryBroker, with its own dispatch thread."""
+
+    def __init__(self, broker: MemoryBroker) -> None:
+        self.broker = broker
+        self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._timers: list[tuple[float, int, _MemoryTimer, Callable[[], None]]] = []
+        self._timer_seq = itertools.count()
+        self._running = False
+        self._stopped = threading.Event()
+
+    def publish(
+        self,
+        queue: str,
+        body: bytes,
+        *,
+        reply_to: str | None = None,
+        correlation_id: str | None = None,
+        headers: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(body, bytes):
+            raise TypeError("message bodies must be bytes")
+        self.broker._publish(queue, _Message(body, reply_to, correlation_id, dict(headers or {})))
+
+    def publish_event(self, topic: str, body: bytes) -> None:
+        self.broker._publish_event(topic, body)
+
+    def consume(self, queue: str, handler: Handler, *, prefetch: int = 1) -> None:
+        self.broker._add_consumer(queue, _Consumer(self, handler, prefetch))
+
+    def subscribe(self, pattern: str, handler: EventHandler) -> None:
+        with self.broker._lock:
+            self.broker._subscriptions.append((pattern, self, handler))
+
+    def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
+        address = f"reply.{uuid.uuid4().hex}"
+        waiter = _Waiter()
+        with self.broker._lock:
+            self.broker._waiters[address] = waiter
+        try:
+            self.publish(queue, body, reply_to=address, correlation_id=address)
+            if not waiter.wait(timeout):
+                raise TimeoutError(f"no reply from {queue} within {timeout:.1f}s")
+            return waiter.body
+        finally:
+            with self.broker._lock:
+                self.broker._waiters.pop(address, None)
+
+    def reply(self, delivery: Delivery, body: bytes) -> None:
+        if delivery.reply_to:
+            self.publish(delivery.reply_to, body, correlation_id=delivery.correlation_id)
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        timer = _MemoryTimer()
+        entry = (time.monotonic() + delay, next(self._timer_seq), timer, callback)
+        # Timers are only touched on the dispatch thread, so push through the inbox.
+        self.call_soon(lambda: heapq.heappush(self._timers, entry))
+        return timer
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        self._inbox.put(callback)
+
+    def run(self) -> None:
+        self._running = True
+        try:
+            while self._running:
+                timeout = self._fire_due_timers()
+                try:
+                    item = self._inbox.get(timeout=timeout)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    break
+                _guarded(item)
+        finally:
+            self._running = False
+            self.broker._detach(self)
+            self._stopped.set()
+
+    def stop(self) -> None:
+        self._running = False
+        self._inbox.put(None)
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+    def _fire_due_timers(self) -> float | None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, timer, callback = heapq.heappop(self._timers)
+            if not timer.cancelled:
+                _guarded(callback)
+        return max(0.0, self._timers[0][0] - time.monotonic()) if self._timers else None
+
+    def _handle(self, handler: Handler, delivery: MemoryDelivery) -> None:
+        try:
+            handler(delivery)
+        except Exception as exc:  # a handler bug must not kill the service: dead-letter
+            log.exception("handler_crashed", queue=delivery.queue)
+            delivery.reject(f"handler_error: {type(exc).__name__}")
+
+
+def _guarded(callback: Callable[[], None]) -> None:
+    try:
+        callback()
+    except Exception:
+        log.exception("timer_callback_crashed")

@@ -1,0 +1,73 @@
+"""Model files on disk: safetensors (no pickle), with the job spec in the metadata.
+
+Load a trained model anywhere torch and fedmq are installed:
+
+    from common.checkpoint import load_model
+    model = load_model(".fedmq/jobs/<job>/model.safetensors")   # an nn.Module, eval mode
+
+or just the tensors, without fedmq: `safetensors.torch.load_file(path)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from common.errors import DecodeError
+
+if TYPE_CHECKING:
+    import torch
+
+SPEC_KEY = "fedmq.job_spec"
+
+
+def save_state(
+    path: str | Path, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> Path:
+    """Write atomically (temp file, then rename) so a crash never leaves half a file."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    save_file(tensors, str(tmp), metadata=dict(metadata or {}))
+    os.replace(tmp, path)
+    return path
+
+
+def load_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read tensors and metadata; a damaged file raises DecodeError."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise DecodeError(f"cannot read checkpoint {path}: {exc}") from None
+    return tensors, metadata
+
+
+def save_model(path: str | Path, state: Mapping[str, torch.Tensor], spec_json: str, **extra: Any) -> Path:
+    metadata = {SPEC_KEY: spec_json, **{f"fedmq.{k}": json.dumps(v) for k, v in extra.items()}}
+    return save_state(path, state, metadata)
+
+
+def load_model(path: str | Path) -> torch.nn.Module:
+    """Rebuild the job's network from the spec stored in the file and load its weights."""
+    from common.jobspec import JobSpec
+    from common.workloads.datasets import load_dataset
+    from common.workloads.models import build_model
+
+    state, metadata = load_state(path)
+    if SPEC_KEY not in metadata:
+        raise DecodeError(f"{path} has no fedmq job spec in its metadata")
+    spec = JobSpec.model_validate_json(metadata[SPEC_KEY])
+    data = load_dataset(spec.data, spec.seed)
+    model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
+    model.load_state_dict(state)
+    return model.eval()

@@ -1,0 +1,363 @@
+"""Msgpack codec for fedmq messages, with torch tensors as an explicit extension type.
+
+Never pickle: every decoded byte is checked and anything malformed raises
+``DecodeError``. torch is imported only when a tensor is met, so the control
+plane can use this module without it. Tuples come back as lists; map keys must
+be str or int.
+
+A tensor is a msgpack ext of type ``TENSOR_EXT`` whose payload is::
+
+    offset      size       field (integers little-endian)
+    0           1          dtype code, u8 (see _DTYPE_NAMES)
+    1           1          ndim, u8, at most 64
+    2           6          reserved, zero
+    8           8 * ndim   dims, u64 each, outermost first
+    8 + 8*ndim  0 or 8     zero padding, so the data starts at a multiple of 16
+    H           n          elements in C order, little-endian; n = numel * itemsize
+
+Decoded tensors are read-only views of the bytes msgpack hands the ext hook, so
+decoding costs one copy of the data; clone a tensor before writing to it in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import struct
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from common.errors import DecodeError
+
+if TYPE_CHECKING:
+    import torch
+
+TENSOR_EXT: int = 1
+DEFAULT_MAX_BYTES: int = 2 * 1024**3
+
+# Wire codes: append only, never renumber. Names this torch lacks are skipped at runtime.
+_DTYPE_NAMES: dict[int, str] = {
+    1: "bool",
+    2: "uint8",
+    3: "int8",
+    4: "int16",
+    5: "int32",
+    6: "int64",
+    7: "uint16",
+    8: "uint32",
+    9: "uint64",
+    10: "float16",
+    11: "bfloat16",
+    12: "float32",
+    13: "float64",
+    14: "complex32",
+    15: "complex64",
+    16: "complex128",
+    17: "float8_e4m3fn",
+    18: "float8_e5m2",
+    19: "float8_e4m3fnuz",
+    20: "float8_e5m2fnuz",
+    21: "float8_e8m0fnu",
+    22: "float4_e2m1fn_x2",
+}
+_MAX_NDIM = 64
+_MAX_DIM = 2**63 - 1  # torch sizes are int64
+_DATA_ALIGN = 16  # CPython bytes data is 16-aligned, so this keeps every dtype aligned
+_MAX_DEPTH = 512  # msgpack cannot unpack much deeper nesting, so refuse to pack it
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_FIXEXT = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
+_FLAT_TYPES = frozenset({type(None), bool, int, float, str, bytes})
+_UNPACK_ERRORS = (msgpack.UnpackException, ValueError, TypeError, OverflowError, RecursionError)
+
+
+def packb(obj: Any) -> bytes:
+    """Encode obj as msgpack; a tensor anywhere in its dicts, lists or tuples becomes a tensor ext.
+
+    Raises TypeError for objects msgpack cannot represent and for map keys that
+    are not str or int. Tensor data is copied once, into the returned bytes.
+    """
+    # If torch was never imported no tensor can exist, so the control plane never pays for it.
+    tensor_type = getattr(sys.modules.get("torch"), "Tensor", None)
+    writer = _Writer(tensor_type)
+    writer.write(obj, 0)
+    return writer.finish()
+
+
+def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """Decode one msgpack object made by packb; anything malformed raises DecodeError."""
+    view = _checked_view(data, max_bytes)
+    size = view.nbytes
+    try:
+        obj = msgpack.unpackb(
+            view,
+            use_list=True,
+            raw=False,  # str must be valid UTF-8; bin stays bytes
+            strict_map_key=False,  # msgpack's strict mode allows bytes keys but not int; we check
+            object_pairs_hook=_checked_dict,
+            list_hook=_checked_list,
+            ext_hook=_ext_to_object,
+            # No container or string can claim more items or bytes than the input holds.
+            max_str_len=size,
+            max_bin_len=size,
+            max_ext_len=size,
+            max_array_len=size,
+            max_map_len=size // 2,
+        )
+    except DecodeError:
+        raise
+    except _UNPACK_ERRORS as exc:
+        raise DecodeError(f"malformed msgpack: {type(exc).__name__}: {exc}") from exc
+    if type(obj) is msgpack.Timestamp:
+        raise DecodeError("msgpack timestamp ext is not a fedmq type")
+    return obj
+
+
+def encode_state(state: Mapping[str, torch.Tensor]) -> bytes:
+    """Encode a name -> tensor mapping, such as a model's state_dict, keeping its order."""
+    import torch
+
+    for name, tensor in state.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"state entries must be str -> Tensor, got {name!r} -> {type(tensor)}")
+    return packb(dict(state))
+
+
+def decode_state(
+    data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> dict[str, torch.Tensor]:
+    """Decode bytes from encode_state; tensors are read-only views, clone before writing."""
+    import torch
+
+    obj = unpackb(data, max_bytes=max_bytes)
+    if not isinstance(obj, dict):
+        raise DecodeError(f"state must be a map, got {type(obj).__name__}")
+    for name, tensor in obj.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise DecodeError(f"state entry {name!r} is not str -> Tensor")
+    return obj
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """Hex sha256 over sorted names, dtypes, shapes and raw bytes: bitwise-equal states match."""
+    digest = hashlib.sha256(b"fedmq.state_digest.v1\0")
+    digest.update(struct.pack("<Q", len(state)))
+    for name in sorted(state):
+        encoded_name = name.encode()
+        header, data = _tensor_parts(state[name])
+        # Length prefixes keep the stream unambiguous; the header fixes the data length.
+        digest.update(struct.pack("<Q", len(encoded_name)))
+        digest.update(encoded_name)
+        digest.update(header)
+        digest.update(data)
+    return digest.hexdigest()
+
+
+class _Writer:
+    """Collects encoded chunks; tensor data is kept by reference, so one join copies it."""
+
+    def __init__(self, tensor_type: type[torch.Tensor] | None) -> None:
+        self._tensor_type = tensor_type
+        self._packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+        self._chunks: list[bytes | memoryview] = []
+
+    def write(self, obj: Any, depth: int) -> None:
+        """Append obj, walking containers so tensors and map keys can be handled."""
+        if depth > _MAX_DEPTH:
+            raise ValueError(f"nesting deeper than {_MAX_DEPTH} levels")
+        packer = self._packer
+        if isinstance(obj, dict):
+            packer.pack_map_header(len(obj))
+            for key, value in obj.items():
+                if not isinstance(key, str | int) or isinstance(key, bool):
+                    raise TypeError(f"map keys must be str or int, not {type(key).__name__}")
+                packer.pack(key)
+                self.write(value, depth + 1)
+        elif isinstance(obj, list | tuple):
+            if all(type(item) in _FLAT_TYPES for item in obj):
+                packer.pack(obj)  # nothing to walk: let msgpack's C loop do it
+            else:
+                packer.pack_array_header(len(obj))
+                for item in obj:
+                    self.write(item, depth + 1)
+        elif self._tensor_type is not None and isinstance(obj, self._tensor_type):
+            header, data = _tensor_parts(obj)
+            prefix = _ext_prefix(len(header) + data.nbytes)
+            self._chunks += [packer.bytes(), prefix, header, data]
+            packer.reset()
+        else:
+            packer.pack(obj)
+
+    def finish(self) -> bytes:
+        """Return everything written as one bytes object."""
+        if not self._chunks:
+            return self._packer.bytes()
+        self._chunks.append(self._packer.bytes())
+        return b"".join(self._chunks)
+
+
+def _ext_prefix(size: int) -> bytes:
+    """Return the msgpack ext header (format byte, length, type) for a tensor payload."""
+    if size in _FIXEXT:
+        return bytes((_FIXEXT[size], TENSOR_EXT))
+    if size <= 0xFF:
+        return struct.pack(">BBb", 0xC7, size, TENSOR_EXT)
+    if size <= 0xFFFF:
+        return struct.pack(">BHb", 0xC8, size, TENSOR_EXT)
+    if size <= 0xFFFFFFFF:
+        return struct.pack(">BIb", 0xC9, size, TENSOR_EXT)
+    raise ValueError(f"tensor payload of {size} bytes exceeds msgpack's 4 GiB ext limit")
+
+
+def _header_size(ndim: int) -> int:
+    """Bytes before the tensor data: fixed fields and dims, padded to _DATA_ALIGN."""
+    return -(-(8 + 8 * ndim) // _DATA_ALIGN) * _DATA_ALIGN
+
+
+def _tensor_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview]:
+    """Split a tensor into its ext header and a little-endian view of its data."""
+    import torch
+
+    code = _codes_by_dtype().get(tensor.dtype)
+    if code is None or tensor.layout != torch.strided:
+        raise TypeError(f"cannot encode a {tensor.layout} tensor of dtype {tensor.dtype}")
+    if tensor.dim() > _MAX_NDIM:
+        raise ValueError(f"cannot encode a tensor with {tensor.dim()} dims (max {_MAX_NDIM})")
+    flat = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8)
+    width = _swap_width(tensor.dtype)
+    if not _LITTLE_ENDIAN and width > 1:
+        raw = _swap_bytes(raw, width)
+    ndim = tensor.dim()
+    header = struct.pack(f"<BB6x{ndim}Q", code, ndim, *tensor.shape)
+    return header.ljust(_header_size(ndim), b"\0"), raw.numpy().data
+
+
+def _tensor_from_payload(payload: bytes) -> torch.Tensor:
+    """Check a tensor ext payload and return a read-only tensor viewing its data."""
+    if len(payload) < 8:
+        raise DecodeError(f"tensor header truncated: {len(payload)} bytes")
+    code, ndim = payload[0], payload[1]
+    if ndim > _MAX_NDIM:
+        raise DecodeError(f"tensor has {ndim} dims (max {_MAX_NDIM})")
+    start = _header_size(ndim)
+    if len(payload) < start:
+        raise DecodeError(f"tensor header truncated: {len(payload)} of {start} bytes")
+    if any(payload[2:8]) or any(payload[8 + 8 * ndim : start]):
+        raise DecodeError("tensor header has non-zero reserved bytes")
+    dtype = _dtypes_by_code().get(code)
+    if dtype is None:
+        name = _DTYPE_NAMES.get(code)
+        reason = f"dtype {name} is not available in this torch" if name else "unknown dtype"
+        raise DecodeError(f"tensor dtype code {code}: {reason}")
+    shape = struct.unpack_from(f"<{ndim}Q", payload, 8)
+    if any(dim > _MAX_DIM for dim in shape):
+        raise DecodeError(f"tensor dims {shape} exceed int64")
+    numel = math.prod(shape)
+    if numel * dtype.itemsize != len(payload) - start:
+        raise DecodeError(
+            f"tensor {dtype} {list(shape)} needs {numel * dtype.itemsize} data bytes,"
+            f" payload has {len(payload) - start}"
+        )
+    try:
+        return _view_data(payload, start, dtype, shape, numel)
+    except (RuntimeError, ValueError, OverflowError) as exc:
+        raise DecodeError(f"tensor {dtype} {list(shape)} rejected by torch: {exc}") from exc
+
+
+def _view_data(
+    payload: bytes, start: int, dtype: torch.dtype, shape: tuple[int, ...], numel: int
+) -> torch.Tensor:
+    """Build the tensor over payload[start:] without copying where the host allows."""
+    import torch
+
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)  # frombuffer refuses empty buffers
+    width = _swap_width(dtype)
+    swap = not _LITTLE_ENDIAN and width > 1
+    with warnings.catch_warnings():
+        # bytes are immutable and torch warns so; the module docstring says to clone first.
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        flat = torch.frombuffer(
+            payload,
+            dtype=torch.uint8 if swap else dtype,
+            offset=start,
+            count=numel * dtype.itemsize if swap else numel,
+        )
+    if swap:
+        flat = _swap_bytes(flat, width).view(dtype)
+    elif flat.data_ptr() % dtype.itemsize:
+        flat = flat.clone()  # an unusual Python build may not align bytes data
+    if dtype == torch.bool and bool(flat.view(torch.uint8).gt(1).any()):
+        raise DecodeError("bool tensor holds bytes other than 0 and 1")
+    return flat.view(shape)
+
+
+def _swap_width(dtype: torch.dtype) -> int:
+    """Bytes per byte-swapped unit: the itemsize, or half of it for complex parts."""
+    return dtype.itemsize // 2 if dtype.is_complex else dtype.itemsize
+
+
+def _swap_bytes(raw: torch.Tensor, width: int) -> torch.Tensor:
+    """Reverse the byte order of each width-byte unit of a flat uint8 tensor (copies)."""
+    return raw.view(-1, width).flip(1).reshape(-1)
+
+
+def _ext_to_object(code: int, payload: bytes) -> Any:
+    """msgpack ext hook: only tensors are known."""
+    if code != TENSOR_EXT:
+        raise DecodeError(f"unknown msgpack ext type {code}")
+    return _tensor_from_payload(payload)
+
+
+def _checked_dict(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """msgpack map hook: keys are str or int, unique, and no value is a timestamp."""
+    result = {}
+    for key, value in pairs:
+        if type(key) is not str and type(key) is not int:
+            raise DecodeError(f"map key of type {type(key).__name__} (str or int only)")
+        if type(value) is msgpack.Timestamp:
+            raise DecodeError("msgpack timestamp ext is not a fedmq type")
+        result[key] = value
+    if len(result) != len(pairs):
+        raise DecodeError("map has duplicate keys")
+    return result
+
+
+def _checked_list(items: list[Any]) -> list[Any]:
+    """msgpack array hook: timestamps (ext -1) bypass ext_hook, so refuse them here."""
+    if msgpack.Timestamp in map(type, items):
+        raise DecodeError("msgpack timestamp ext is not a fedmq type")
+    return items
+
+
+def _checked_view(data: object, max_bytes: int) -> memoryview:
+    """Return data as a flat byte view, refusing non-bytes and inputs over max_bytes."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise DecodeError(f"expected bytes, got {type(data).__name__}")
+    try:
+        view = memoryview(data)
+        if view.nbytes > max_bytes:
+            raise DecodeError(f"input of {view.nbytes} bytes exceeds limit of {max_bytes}")
+        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    except (ValueError, TypeError) as exc:  # released or non-contiguous memoryview
+        raise DecodeError(f"unreadable buffer: {exc}") from exc
+
+
+@functools.cache
+def _dtypes_by_code() -> dict[int, torch.dtype]:
+    """Wire code -> dtype for every dtype this torch has."""
+    import torch
+
+    found = {code: getattr(torch, name, None) for code, name in _DTYPE_NAMES.items()}
+    return {code: dtype for code, dtype in found.items() if isinstance(dtype, torch.dtype)}
+
+
+@functools.cache
+def _codes_by_dtype() -> dict[torch.dtype, int]:
+    """Dtype -> wire code, the inverse of _dtypes_by_code."""
+    return {dtype: code for code, dtype in _dtypes_by_code().items()}

@@ -1,0 +1,30 @@
+"""The small tree of errors fedmq raises on purpose."""
+
+
+class FedmqError(Exception):
+    """Base of every expected fedmq error."""
+
+
+class ConfigError(FedmqError):
+    """A job spec or setting is wrong; the message says which field and what is allowed."""
+
+
+class DecodeError(FedmqError):
+    """Bytes from the wire or disk are not a valid fedmq message or tensor."""
+
+
+class ValidationError(FedmqError):
+    """A well-formed message breaks a rule: wrong shape, stale round, unknown job."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class AggregationError(FedmqError):
+    """A round's results cannot be combined into a new global model."""
+
+
+class BrokerUnavailable(FedmqError):
+    """The message broker cannot be reached."""

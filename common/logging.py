@@ -1,0 +1,52 @@
+"""structlog set-up: JSON lines off a TTY, console rendering on one; stdlib logs share it."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+Format = Literal["auto", "json", "console"]
+
+
+def configure_logging(fmt: Format = "auto", level: str = "info", stream=None) -> None:
+    """Route structlog and stdlib logging through one renderer on `stream` (default stderr)."""
+    stream = stream or sys.stderr
+    use_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
+    shared: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: structlog.types.Processor = (
+        structlog.processors.JSONRenderer()
+        if use_json
+        else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info if use_json else _identity,
+            renderer,
+        ],
+    )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("pika").setLevel(max(logging.WARNING, root.level))
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+
+
+def _identity(logger, name, event_dict):  # type: ignore[no-untyped-def]
+    return event_dict

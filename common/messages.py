@@ -1,0 +1,219 @@
+"""Typed messages: one envelope shape, a literal type tag and a schema version.
+
+New fields get defaults; existing fields never change type. torch is never
+imported here: tensors ride in `weights` as opaque values the codec handles.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter
+from pydantic import ValidationError as PydanticValidationError
+
+from common import codec
+from common.errors import DecodeError
+
+SCHEMA_VERSION = 1
+M = TypeVar("M", bound="Message")
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Message(BaseModel):
+    """Fields every message carries."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+    msg_id: str = Field(default_factory=new_id, max_length=64)
+    job_id: str = Field(max_length=128)
+    sent_at: float = Field(default_factory=time.time)
+
+
+class JobSubmit(Message):
+    """CLI → scheduler: run this job (the spec is validated again on arrival)."""
+
+    type: Literal["job_submit"] = "job_submit"
+    spec: dict[str, Any]
+
+
+class JobCancel(Message):
+    type: Literal["job_cancel"] = "job_cancel"
+    reason: str = "cancelled by user"
+
+
+class JobCreate(Message):
+    """Scheduler → aggregator: build the initial global model for this job."""
+
+    type: Literal["job_create"] = "job_create"
+    spec: dict[str, Any]
+
+
+class RoundOpen(Message):
+    """Scheduler → aggregator: these clients train in this round."""
+
+    type: Literal["round_open"] = "round_open"
+    round: NonNegativeInt
+    clients: list[NonNegativeInt]
+
+
+class RoundClose(Message):
+    """Scheduler → aggregator: fold exactly these clients' updates into the new model."""
+
+    type: Literal["round_close"] = "round_close"
+    round: NonNegativeInt
+    clients: list[NonNegativeInt]
+
+
+class TrainTask(Message):
+    """Scheduler → learners: train one logical client on the round's global model."""
+
+    type: Literal["train_task"] = "train_task"
+    task_id: str = Field(max_length=64)
+    round: NonNegativeInt
+    client: NonNegativeInt
+    model_digest: str = Field(max_length=128)
+    spec: dict[str, Any]
+
+
+class ClientUpdate(Message):
+    """Learner → aggregator: the client's new weights and what training saw."""
+
+    type: Literal["client_update"] = "client_update"
+    task_id: str = Field(max_length=64)
+    round: NonNegativeInt
+    client: NonNegativeInt
+    base_digest: str = Field(max_length=128)
+    num_examples: int
+    metrics: dict[str, float] = {}
+    train_seconds: float = 0.0
+    learner: str = ""
+    weights: dict[str, Any]
+
+
+class ClientFailure(Message):
+    """Learner → scheduler: the client could not train, and why."""
+
+    type: Literal["client_failure"] = "client_failure"
+    task_id: str = Field(max_length=64)
+    round: NonNegativeInt
+    client: NonNegativeInt
+    code: str
+    reason: str
+    learner: str = ""
+
+
+class UpdateAccepted(Message):
+    """Aggregator → scheduler: this client's update is stored for the round."""
+
+    type: Literal["update_accepted"] = "update_accepted"
+    round: NonNegativeInt
+    client: NonNegativeInt
+    num_examples: int
+    metrics: dict[str, float] = {}
+
+
+class RoundClosed(Message):
+    """Aggregator → scheduler: the round's new global model and its test metrics."""
+
+    type: Literal["round_closed"] = "round_closed"
+    round: NonNegativeInt
+    model_digest: str
+    clients: list[NonNegativeInt] = []
+    num_examples: int = 0
+    test_loss: float
+    test_accuracy: float
+    train_loss: float | None = None
+    train_accuracy: float | None = None
+    aggregate_seconds: float = 0.0
+    model_path: str | None = None
+
+
+class JobFailed(Message):
+    """Any service → scheduler: the job cannot go on."""
+
+    type: Literal["job_failed"] = "job_failed"
+    reason: str
+
+
+class ModelGet(Message):
+    """Learner → aggregator (request/reply): send me the weights with this digest."""
+
+    type: Literal["model_get"] = "model_get"
+    digest: str = Field(max_length=128)
+
+
+class ModelReply(Message):
+    type: Literal["model_reply"] = "model_reply"
+    digest: str
+    weights: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class JobEvent(Message):
+    """Scheduler → anyone watching: what happened to a job."""
+
+    type: Literal["job_event"] = "job_event"
+    kind: Literal[
+        "accepted", "round_started", "round_completed", "completed", "failed", "cancelled"
+    ]
+    round: int | None = None
+    rounds: int | None = None
+    data: dict[str, Any] = {}
+
+
+AnyMessage = Annotated[
+    JobSubmit
+    | JobCancel
+    | JobCreate
+    | RoundOpen
+    | RoundClose
+    | TrainTask
+    | ClientUpdate
+    | ClientFailure
+    | UpdateAccepted
+    | RoundClosed
+    | JobFailed
+    | ModelGet
+    | ModelReply
+    | JobEvent,
+    Field(discriminator="type"),
+]
+_adapter: TypeAdapter[Message] = TypeAdapter(AnyMessage)
+
+
+def to_wire(msg: Message) -> bytes:
+    """Encode a message; tensors inside `weights` go through the codec's tensor extension."""
+    fields = msg.model_dump(exclude={"weights"})
+    weights = getattr(msg, "weights", None)
+    if weights is not None or "weights" in type(msg).model_fields:
+        fields["weights"] = weights
+    return codec.packb(fields)
+
+
+def from_wire(data: bytes | memoryview, *, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> Message:
+    """Decode and schema-check a message; anything wrong raises DecodeError."""
+    raw = codec.unpackb(data, max_bytes=max_bytes)
+    if not isinstance(raw, dict):
+        raise DecodeError(f"message must be a map, got {type(raw).__name__}")
+    version = raw.get("v")
+    if version != SCHEMA_VERSION:
+        raise DecodeError(f"unsupported schema version {version!r} (this build reads {SCHEMA_VERSION})")
+    try:
+        return _adapter.validate_python(raw)
+    except PydanticValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise DecodeError(f"schema: {where}: {first['msg']}") from None
+
+
+def expect(msg: Message, kind: type[M]) -> M:
+    """Narrow a decoded message to the type a queue carries, or raise DecodeError."""
+    if not isinstance(msg, kind):
+        raise DecodeError(f"unexpected message type {msg.type!r}")  # type: ignore[attr-defined]
+    return msg

@@ -1,0 +1,77 @@
+"""Aggregation maths: pure functions over state dicts. No I/O, no settings, no logging.
+
+Results are folded one at a time (streaming, O(model) memory) in the order the
+caller gives; callers give a canonical order (by client id) so that the result
+is the same whatever order the updates arrived in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from common.errors import AggregationError
+
+StateDict = dict[str, torch.Tensor]
+
+
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype == torch.float64:
+        return torch.float64
+    if dtype.is_floating_point:
+        return torch.float32
+    return torch.float64  # integer buffers (e.g. batch counters) averaged, then rounded
+
+
+def weighted_mean(results: Iterable[tuple[Mapping[str, torch.Tensor], float]]) -> StateDict:
+    """Σ wₖ·xₖ / Σ wₖ over state dicts, folding one result at a time."""
+    acc: StateDict = {}
+    dtypes: dict[str, torch.dtype] = {}
+    total = 0.0
+    for state, weight in results:
+        if weight < 0 or not torch.isfinite(torch.tensor(weight)):
+            raise AggregationError(f"weight must be finite and non-negative, got {weight}")
+        if not acc:
+            for name, tensor in state.items():
+                dtypes[name] = tensor.dtype
+                acc[name] = tensor.to(_accumulator_dtype(tensor.dtype), copy=True).mul_(weight)
+        else:
+            if state.keys() != acc.keys():
+                raise AggregationError("results disagree on tensor names")
+            for name, tensor in state.items():
+                acc[name].add_(tensor.to(acc[name].dtype), alpha=weight)
+        total += weight
+    if not acc:
+        raise AggregationError("no results to aggregate")
+    if total <= 0:
+        raise AggregationError("total weight is zero")
+    out: StateDict = {}
+    for name, summed in acc.items():
+        summed.div_(total)
+        if not dtypes[name].is_floating_point and not dtypes[name].is_complex:
+            summed.round_()
+        out[name] = summed.to(dtypes[name])
+    return out
+
+
+def server_momentum(
+    current: Mapping[str, torch.Tensor],
+    averaged: Mapping[str, torch.Tensor],
+    velocity: Mapping[str, torch.Tensor] | None,
+    lr: float,
+    momentum: float,
+) -> tuple[StateDict, StateDict]:
+    """FedAvgM (Hsu et al. 2019): v ← βv + (w − w̄); w ← w − η·v. Returns (weights, velocity)."""
+    new_weights: StateDict = {}
+    new_velocity: StateDict = {}
+    for name, w in current.items():
+        if not w.dtype.is_floating_point:
+            new_weights[name] = averaged[name].clone()
+            continue
+        step = w - averaged[name]
+        if velocity is not None and name in velocity:
+            step = velocity[name].mul(momentum).add_(step)
+        new_velocity[name] = step
+        new_weights[name] = w - lr * step
+    return new_weights, new_velocity

@@ -1,0 +1,262 @@
+"""Aggregator handlers: build the initial model, accept updates, close rounds, serve weights.
+
+Ack policy: every message on fedmq.aggregator is acked after its effect is on
+disk and its reply published; a message that fails decoding or validation is
+rejected (dead-lettered) with the reason; a duplicate update is acked with no
+effect. ModelGet requests are always answered (weights or an error) and acked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+from torch import nn
+
+from common.bus import topology
+from common.bus.base import Bus, Delivery
+from common.checkpoint import save_model
+from common.errors import DecodeError, FedmqError, ValidationError
+from common.jobspec import JobSpec, canonical_json, parse_job
+from common.messages import (
+    ClientUpdate,
+    JobCreate,
+    JobFailed,
+    Message,
+    ModelGet,
+    ModelReply,
+    RoundClose,
+    RoundClosed,
+    RoundOpen,
+    UpdateAccepted,
+    expect,
+    from_wire,
+    to_wire,
+)
+from common.settings import Settings
+from common.workloads.datasets import load_dataset
+from common.workloads.models import build_model
+from services.aggregator.evaluation import evaluate
+from services.aggregator.store import JobStore
+from services.aggregator.strategies import Strategy, build_strategy
+from services.aggregator.validation import check_update
+
+log = structlog.get_logger("fedmq.aggregator")
+
+
+@dataclass
+class AggJob:
+    """The aggregator's view of one job: its current global model and the open round."""
+
+    spec: JobSpec
+    store: JobStore
+    strategy: Strategy
+    model: nn.Module
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    train_size: int
+    weights: dict[str, torch.Tensor]
+    digest: str
+    round: int = 0
+    open_round: int | None = None
+    expected: set[int] = field(default_factory=set)
+    reply_cache: tuple[str, bytes] | None = None
+
+
+class AggregatorService:
+    def __init__(self, settings: Settings, bus: Bus) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.root = Path(settings.state_dir) / "aggregator"
+        self.jobs: dict[str, AggJob] = {}
+
+    def start(self) -> None:
+        self.bus.consume(topology.AGGREGATOR, self.on_message, prefetch=1)
+        self.bus.consume(topology.MODEL, self.on_model_get, prefetch=4)
+
+    # -- dispatch -------------------------------------------------------------
+
+    def on_message(self, delivery: Delivery) -> None:
+        try:
+            msg = from_wire(delivery.body, max_bytes=self.settings.max_message_bytes)
+            with structlog.contextvars.bound_contextvars(
+                job=msg.job_id, round=getattr(msg, "round", None), client=getattr(msg, "client", None)
+            ):
+                self._handle(msg, delivery.body)
+        except DecodeError as exc:
+            log.warning("message_rejected", reason="decode", detail=str(exc))
+            delivery.reject(f"decode: {exc}")
+            return
+        except ValidationError as exc:
+            log.warning("message_rejected", reason=exc.reason, detail=exc.detail)
+            delivery.reject(str(exc))
+            return
+        delivery.ack()
+
+    def _handle(self, msg: Message, body: bytes) -> None:
+        match msg:
+            case JobCreate():
+                self.create_job(msg)
+            case RoundOpen():
+                self.open_round(msg)
+            case ClientUpdate():
+                self.accept_update(msg, body)
+            case RoundClose():
+                self.close_round(msg)
+            case _:
+                raise ValidationError("unexpected_type", msg.type)  # type: ignore[attr-defined]
+
+    # -- handlers -------------------------------------------------------------
+
+    def create_job(self, msg: JobCreate) -> None:
+        if msg.job_id in self.jobs:
+            log.info("job_create_duplicate")
+            return
+        try:
+            spec = parse_job(msg.spec)
+            job = self._build_job(msg.job_id, spec)
+        except FedmqError as exc:
+            log.warning("job_create_failed", error=str(exc))
+            self._publish(JobFailed(job_id=msg.job_id, reason=f"aggregator: {exc}"))
+            return
+        self.jobs[msg.job_id] = job
+        self._report(job, RoundClosed(
+            job_id=job.store.job_id, round=0, model_digest=job.digest, test_loss=0, test_accuracy=0
+        ), seconds=0.0)
+
+    def _build_job(self, job_id: str, spec: JobSpec) -> AggJob:
+        data = load_dataset(spec.data, spec.seed)
+        model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        store = JobStore(self.root, job_id)
+        store.save_spec(canonical_json(spec))
+        digest = store.save_checkpoint(0, weights, {})
+        log.info("job_created", params=sum(v.numel() for v in weights.values()), digest=digest[:12])
+        return AggJob(
+            spec=spec,
+            store=store,
+            strategy=build_strategy(spec),
+            model=model,
+            x_test=torch.tensor(data.x_test),
+            y_test=torch.tensor(data.y_test),
+            train_size=len(data.y_train),
+            weights=weights,
+            digest=digest,
+        )
+
+    def open_round(self, msg: RoundOpen) -> None:
+        job = self._job(msg.job_id)
+        if msg.round != job.round + 1:
+            raise ValidationError("stale_round", f"round {msg.round} opened after round {job.round}")
+        job.open_round, job.expected = msg.round, set(msg.clients)
+        log.info("round_opened", clients=len(msg.clients))
+
+    def accept_update(self, msg: ClientUpdate, body: bytes) -> None:
+        job = self._job(msg.job_id)
+        if job.open_round != msg.round:
+            raise ValidationError("stale_round", f"round {msg.round} is not open")
+        if msg.client not in job.expected:
+            raise ValidationError("unknown_client", f"client {msg.client} was not sampled")
+        if job.store.has_update(msg.round, msg.client):
+            log.info("update_duplicate")
+            return
+        if msg.base_digest != job.digest:
+            raise ValidationError("stale_model", "trained on another round's weights")
+        check_update(msg, job.weights, max_examples=job.train_size)
+        job.store.put_update(msg, body)
+        self._publish(UpdateAccepted(
+            job_id=msg.job_id, round=msg.round, client=msg.client,
+            num_examples=msg.num_examples, metrics=msg.metrics,
+        ))
+        log.info("update_accepted", examples=msg.num_examples, learner=msg.learner)
+
+    def close_round(self, msg: RoundClose) -> None:
+        job = self._job(msg.job_id)
+        if job.open_round != msg.round:
+            raise ValidationError("stale_round", f"round {msg.round} is not open")
+        started = time.perf_counter()
+        results = job.store.results(msg.round, msg.clients)
+        new = job.strategy.aggregate(msg.round, job.weights, results)
+        job.weights = {k: v.to(job.weights[k].dtype) for k, v in new.items()}
+        job.digest = job.store.save_checkpoint(msg.round, job.weights, job.strategy.state())
+        job.round, job.open_round, job.expected = msg.round, None, set()
+        examples = sum(r.num_examples for r in results)
+        closed = RoundClosed(
+            job_id=msg.job_id,
+            round=msg.round,
+            model_digest=job.digest,
+            clients=[r.client for r in results],
+            num_examples=examples,
+            test_loss=0,
+            test_accuracy=0,
+            train_loss=_weighted(results, "loss"),
+            train_accuracy=_weighted(results, "accuracy"),
+        )
+        if msg.round == job.spec.rounds:
+            path = save_model(
+                job.store.root / "model.safetensors", job.weights, canonical_json(job.spec),
+                job_id=msg.job_id, round=msg.round,
+            )
+            closed = closed.model_copy(update={"model_path": str(path)})
+        self._report(job, closed, seconds=time.perf_counter() - started)
+        job.store.drop_updates(msg.round)
+
+    def _report(self, job: AggJob, closed: RoundClosed, seconds: float) -> None:
+        """Evaluate the new global model and tell the scheduler the round is closed."""
+        job.model.load_state_dict(job.weights)
+        loss, accuracy = evaluate(job.model, job.x_test, job.y_test)
+        closed = closed.model_copy(
+            update={"test_loss": loss, "test_accuracy": accuracy, "aggregate_seconds": seconds}
+        )
+        self._publish(closed)
+        log.info("round_closed", accuracy=round(accuracy, 4), loss=round(loss, 4),
+                 clients=len(closed.clients), seconds=round(seconds, 4))
+
+    def on_model_get(self, delivery: Delivery) -> None:
+        try:
+            req = expect(from_wire(delivery.body, max_bytes=1024 * 1024), ModelGet)
+        except DecodeError as exc:
+            log.warning("message_rejected", reason="decode", detail=str(exc))
+            delivery.reject(f"decode: {exc}")
+            return
+        self.bus.reply(delivery, self._model_reply(req))
+        delivery.ack()
+
+    def _model_reply(self, req: ModelGet) -> bytes:
+        job = self.jobs.get(req.job_id)
+        if job is None:
+            return to_wire(ModelReply(job_id=req.job_id, digest=req.digest, error="unknown job"))
+        if job.reply_cache is not None and job.reply_cache[0] == req.digest:
+            return job.reply_cache[1]
+        if req.digest == job.digest:
+            weights: Mapping[str, torch.Tensor] = job.weights
+        elif job.store.checkpoint_path(req.digest).exists():
+            weights = job.store.load_checkpoint(req.digest)[0]
+        else:
+            return to_wire(ModelReply(job_id=req.job_id, digest=req.digest, error="unknown model"))
+        body = to_wire(ModelReply(job_id=req.job_id, digest=req.digest, weights=dict(weights)))
+        if req.digest == job.digest:
+            job.reply_cache = (req.digest, body)
+        return body
+
+    # -- helpers --------------------------------------------------------------
+
+    def _job(self, job_id: str) -> AggJob:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise ValidationError("unknown_job", job_id)
+        return job
+
+    def _publish(self, msg: Message) -> None:
+        self.bus.publish(topology.SCHEDULER, to_wire(msg))
+
+
+def _weighted(results, key: str) -> float | None:  # type: ignore[no-untyped-def]
+    pairs = [(r.metrics[key], r.num_examples) for r in results if key in r.metrics]
+    total = sum(n for _, n in pairs)
+    return sum(v * n for v, n in pairs) / total if total else None
+

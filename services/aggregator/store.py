@@ -1,0 +1,114 @@
+"""The aggregator's disk: global checkpoints by content hash, and each round's accepted updates.
+
+    <state>/aggregator/<job>/
+        spec.json                      the job spec as the scheduler sent it
+        rounds.json                    round → checkpoint digest
+        checkpoints/<digest>.safetensors
+        updates/r<round>/c<client>.msg raw ClientUpdate bodies, until the round closes
+
+An accepted update is written before it is acknowledged, so the round's
+results survive a restart, and a client's file exists at most once: that is
+what makes a redelivered update change nothing. At close the updates are read
+back one at a time in client order (bounded memory, order-independent result).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from common import codec
+from common.checkpoint import load_state, save_state
+from common.messages import ClientUpdate, expect, from_wire
+from services.aggregator.strategies import ClientResult
+
+
+class JobStore:
+    """Everything the aggregator keeps for one job."""
+
+    def __init__(self, root: Path, job_id: str) -> None:
+        self.root = root / job_id
+        self.job_id = job_id
+
+    # -- spec and round index -------------------------------------------------
+
+    def save_spec(self, spec_json: str) -> None:
+        _atomic_write(self.root / "spec.json", spec_json.encode())
+
+    def rounds(self) -> dict[int, str]:
+        path = self.root / "rounds.json"
+        if not path.exists():
+            return {}
+        return {int(k): v for k, v in json.loads(path.read_text()).items()}
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def save_checkpoint(
+        self, server_round: int, state: Mapping[str, torch.Tensor], extra: Mapping[str, torch.Tensor]
+    ) -> str:
+        """Store the round's global weights (and strategy state) under their digest."""
+        digest = codec.state_digest(state)
+        tensors = {f"w.{k}": v for k, v in state.items()} | {f"s.{k}": v for k, v in extra.items()}
+        save_state(self.checkpoint_path(digest), tensors, {"round": str(server_round)})
+        rounds = self.rounds() | {server_round: digest}
+        _atomic_write(self.root / "rounds.json", json.dumps(rounds, sort_keys=True).encode())
+        return digest
+
+    def load_checkpoint(self, digest: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        tensors, _ = load_state(self.checkpoint_path(digest))
+        weights = {k[2:]: v for k, v in tensors.items() if k.startswith("w.")}
+        extra = {k[2:]: v for k, v in tensors.items() if k.startswith("s.")}
+        return weights, extra
+
+    def checkpoint_path(self, digest: str) -> Path:
+        return self.root / "checkpoints" / f"{digest}.safetensors"
+
+    # -- updates --------------------------------------------------------------
+
+    def _update_path(self, server_round: int, client: int, suffix: str = ".msg") -> Path:
+        return self.root / "updates" / f"r{server_round}" / f"c{client}{suffix}"
+
+    def has_update(self, server_round: int, client: int) -> bool:
+        return self._update_path(server_round, client, ".json").exists()
+
+    def put_update(self, update: ClientUpdate, body: bytes) -> None:
+        """Keep the body, then a small summary; the summary's presence marks it stored."""
+        _atomic_write(self._update_path(update.round, update.client), body)
+        summary = {"num_examples": update.num_examples, "metrics": update.metrics}
+        _atomic_write(
+            self._update_path(update.round, update.client, ".json"), json.dumps(summary).encode()
+        )
+
+    def results(self, server_round: int, clients: list[int]) -> list[ClientResult]:
+        """The round's stored updates for `clients`, in client order, weights loaded lazily."""
+        out = []
+        for client in sorted(set(clients)):
+            summary = json.loads(self._update_path(server_round, client, ".json").read_text())
+            path = self._update_path(server_round, client)
+            out.append(
+                ClientResult(
+                    client=client,
+                    num_examples=int(summary["num_examples"]),
+                    metrics={k: float(v) for k, v in summary["metrics"].items()},
+                    load=lambda p=path: expect(from_wire(p.read_bytes()), ClientUpdate).weights,
+                )
+            )
+        return out
+
+    def drop_updates(self, server_round: int) -> None:
+        shutil.rmtree(self.root / "updates" / f"r{server_round}", ignore_errors=True)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,21 @@
+"""Server strategies, one per module, built from the job spec."""
+
+from common.jobspec import AverageStrategy, FedAvgMStrategy, FedAvgStrategy, JobSpec
+from services.aggregator.strategies.average import Average
+from services.aggregator.strategies.base import ClientResult, Strategy
+from services.aggregator.strategies.fedavg import FedAvg
+from services.aggregator.strategies.fedavgm import FedAvgM
+
+
+def build_strategy(spec: JobSpec) -> Strategy:
+    match spec.strategy:
+        case FedAvgStrategy():
+            return FedAvg()
+        case AverageStrategy():
+            return Average()
+        case FedAvgMStrategy(server_lr=lr, server_momentum=beta):
+            return FedAvgM(server_lr=lr, server_momentum=beta)
+    raise AssertionError(f"unhandled strategy {spec.strategy!r}")
+
+
+__all__ = ["Average", "ClientResult", "FedAvg", "FedAvgM", "Strategy", "build_strategy"]

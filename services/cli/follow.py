@@ -1,0 +1,50 @@
+"""Following a job from the outside: its events as an iterator, on any bus."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+from common.bus import topology
+from common.bus.base import Bus
+from common.errors import DecodeError
+from common.messages import JobEvent, expect, from_wire
+
+TERMINAL = {"completed", "failed", "cancelled"}
+
+
+class JobFollower:
+    """Subscribes to one job's events on its own bus thread; iterate to receive them."""
+
+    def __init__(self, bus: Bus, job_id: str) -> None:
+        self.bus = bus
+        self.job_id = job_id
+        self._events: queue.SimpleQueue[JobEvent] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=bus.run, name="follow", daemon=True)
+
+    def start(self) -> JobFollower:
+        self.bus.subscribe(topology.job_topic(self.job_id), self._on_event)
+        self._thread.start()
+        return self
+
+    def _on_event(self, body: bytes) -> None:
+        try:
+            self._events.put(expect(from_wire(body), JobEvent))
+        except DecodeError:
+            pass  # events are advisory; a bad one is skipped, never fatal to a watcher
+
+    def events(self, idle_timeout: float | None = None) -> Iterator[JobEvent]:
+        """Yield events until a terminal one; TimeoutError if none comes for idle_timeout s."""
+        while True:
+            try:
+                event = self._events.get(timeout=idle_timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no news of job {self.job_id} for {idle_timeout}s") from None
+            yield event
+            if event.kind in TERMINAL:
+                return
+
+    def close(self) -> None:
+        self.bus.stop()
+        self._thread.join(timeout=5)

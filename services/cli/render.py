@@ -1,0 +1,84 @@
+"""Terminal output of the CLI: a progress bar over rounds and a closing summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from common.messages import JobEvent
+
+
+class RoundProgress:
+    """A rich progress bar fed with job events; silent when `enabled` is False."""
+
+    def __init__(self, console: Console, enabled: bool = True) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("acc [cyan]{task.fields[acc]}[/] loss [magenta]{task.fields[loss]}[/]"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not enabled,
+            transient=False,
+        )
+        self.task = self.progress.add_task("rounds", total=None, acc="-", loss="-")
+
+    def __enter__(self) -> RoundProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def update(self, event: JobEvent) -> None:
+        if event.kind == "accepted":
+            self.progress.update(self.task, total=event.rounds, description=event.data.get("name", "rounds"))
+        elif event.kind == "round_completed":
+            self.progress.update(
+                self.task,
+                completed=event.round,
+                acc=f"{event.data['test_accuracy']:.4f}",
+                loss=f"{event.data['test_loss']:.4f}",
+            )
+
+
+def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """Final, best and initial accuracy from a job's per-round records (round 0 = initial model)."""
+    trained = [h for h in history if h["round"] > 0]
+    out: dict[str, Any] = {"rounds": len(trained)}
+    if history and history[0]["round"] == 0:
+        out["initial_accuracy"] = history[0]["test_accuracy"]
+    if trained:
+        best = max(trained, key=lambda h: h["test_accuracy"])
+        last = trained[-1]
+        out |= {
+            "final_accuracy": last["test_accuracy"],
+            "final_loss": last["test_loss"],
+            "best_accuracy": best["test_accuracy"],
+            "best_round": best["round"],
+            "model_digest": last.get("model_digest"),
+        }
+    return out
+
+
+def print_summary(console: Console, result: dict[str, Any]) -> None:
+    status = result["status"]
+    mark = {"completed": "[green]✓[/]", "failed": "[red]✗[/]"}.get(status, "[yellow]![/]")
+    console.print(
+        f"{mark} [bold]{result['name']}[/] ({result['job_id']}) {status} after "
+        f"{result.get('rounds', 0)} rounds in {result['wall_seconds']:.1f} s"
+    )
+    if "final_accuracy" in result:
+        console.print(
+            f"  test accuracy: final [bold cyan]{result['final_accuracy']:.4f}[/], "
+            f"best {result['best_accuracy']:.4f} (round {result['best_round']}), "
+            f"initial {result.get('initial_accuracy', float('nan')):.4f}"
+        )
+    if result.get("reason"):
+        console.print(f"  reason: {result['reason']}")
+    if result.get("model_path"):
+        console.print(f"  model saved to [bold]{result['model_path']}[/]")
+        console.print("  load it with [bold]common.checkpoint.load_model(path)[/] (safetensors)")

@@ -1,0 +1,191 @@
+"""Learner: take one task at a time, train off the bus thread, publish the update, then ack.
+
+Ack policy: a task is acked only after its ClientUpdate (or ClientFailure) is
+published, so a learner that dies mid-task leaves the task to be redelivered.
+An undecodable task is dead-lettered. On shutdown an unfinished task is
+returned to the queue.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import torch
+from torch import nn
+
+from common.bus import topology
+from common.bus.base import Bus, Delivery
+from common.errors import DecodeError, FedmqError
+from common.jobspec import JobSpec, canonical_json, parse_job
+from common.messages import (
+    ClientFailure,
+    ClientUpdate,
+    ModelGet,
+    ModelReply,
+    TrainTask,
+    expect,
+    from_wire,
+    to_wire,
+)
+from common.seeding import torch_generator
+from common.settings import Settings
+from common.workloads.datasets import load_dataset
+from common.workloads.models import build_model
+from common.workloads.partition import partition
+from common.workloads.plugins import load_entrypoint
+from services.learner.device import resolve_device
+from services.learner.training import train_local
+
+log = structlog.get_logger("fedmq.learner")
+
+MODEL_CACHE = 2  # the current round's weights, and the previous one for stragglers
+
+
+@dataclass
+class JobContext:
+    """What a learner keeps per job between tasks: data, partition and a model to reuse."""
+
+    spec: JobSpec
+    x: torch.Tensor
+    y: torch.Tensor
+    parts: list[np.ndarray]
+    model: nn.Module
+
+
+class LearnerService:
+    def __init__(self, settings: Settings, bus: Bus, replica: int = 0) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.replica = settings.replica if settings.replica is not None else replica
+        self.name = f"{settings.node or socket.gethostname()}/{self.replica}"
+        self.device = torch.device("cpu")
+        self._worker: ThreadPoolExecutor | None = None
+        self._contexts: OrderedDict[str, JobContext] = OrderedDict()
+        self._models: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+        self._current: Delivery | None = None
+        self._lock = threading.Lock()
+        self.fetches = 0
+
+    def start(self) -> None:
+        self.device = resolve_device(self.settings.device, self.replica)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"train-{self.replica}")
+        self.bus.consume(topology.TASKS, self.on_task, prefetch=1)
+        log.info("learner_started", learner=self.name, device=str(self.device))
+
+    def shutdown(self) -> None:
+        """Return an unfinished task to the queue; the training thread is abandoned."""
+        with self._lock:
+            if self._current is not None:
+                self._current.requeue()
+                self._current = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+
+    def on_task(self, delivery: Delivery) -> None:
+        try:
+            task = expect(from_wire(delivery.body, max_bytes=self.settings.frame_bytes), TrainTask)
+        except DecodeError as exc:
+            log.warning("message_rejected", reason="decode", detail=str(exc))
+            delivery.reject(f"decode: {exc}")
+            return
+        assert self._worker is not None
+        with self._lock:
+            self._current = delivery
+        self._worker.submit(self._run, task, delivery)
+
+    def _run(self, task: TrainTask, delivery: Delivery) -> None:
+        # contextvars are per thread: bind here, where the work runs.
+        with structlog.contextvars.bound_contextvars(job=task.job_id, round=task.round, client=task.client):
+            try:
+                reply = self._train(task)
+            except FedmqError as exc:
+                log.warning("task_failed", error=str(exc))
+                reply = self._failure(task, "invalid", str(exc))
+            except Exception as exc:
+                log.exception("task_crashed")
+                reply = self._failure(task, "error", f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                if self._current is not delivery:
+                    return  # shut down meanwhile: the task went back to the queue
+                self._current = None
+            self.bus.publish(reply[0], reply[1])
+            delivery.ack()
+
+    def _train(self, task: TrainTask) -> tuple[str, bytes]:
+        ctx = self._context(task)
+        weights = self._global_weights(task)
+        started = time.perf_counter()
+        ctx.model.load_state_dict(weights)
+        indices = torch.from_numpy(ctx.parts[task.client])
+        generator = torch_generator(ctx.spec.seed, "train", task.round, task.client)
+        train_fn = train_local
+        if ctx.spec.train.entrypoint:
+            train_fn = load_entrypoint(ctx.spec.train.entrypoint)
+        metrics = train_fn(
+            ctx.model, ctx.x[indices], ctx.y[indices], ctx.spec.train, generator, self.device
+        )
+        state = {k: v.detach().to("cpu", copy=True) for k, v in ctx.model.state_dict().items()}
+        seconds = time.perf_counter() - started
+        log.info("task_trained", examples=len(indices), seconds=round(seconds, 4),
+                 loss=round(float(metrics.get("loss", float("nan"))), 4))
+        update = ClientUpdate(
+            job_id=task.job_id,
+            task_id=task.task_id,
+            round=task.round,
+            client=task.client,
+            base_digest=task.model_digest,
+            num_examples=len(indices),
+            metrics={k: float(v) for k, v in metrics.items()},
+            train_seconds=seconds,
+            learner=self.name,
+            weights=state,
+        )
+        return topology.AGGREGATOR, to_wire(update)
+
+    def _failure(self, task: TrainTask, code: str, reason: str) -> tuple[str, bytes]:
+        failure = ClientFailure(
+            job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
+            code=code, reason=reason[:500], learner=self.name,
+        )
+        return topology.SCHEDULER, to_wire(failure)
+
+    def _context(self, task: TrainTask) -> JobContext:
+        key = task.job_id  # a job's spec never changes after submission
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            spec = parse_job(task.spec)
+            data = load_dataset(spec.data, spec.seed)
+            parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
+            model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
+            ctx = JobContext(spec, torch.tensor(data.x_train), torch.tensor(data.y_train),
+                             parts, model.to(self.device))
+            self._contexts[key] = ctx
+            while len(self._contexts) > 4:
+                self._contexts.popitem(last=False)
+            log.info("job_loaded", spec=canonical_json(spec)[:200])
+        return ctx
+
+    def _global_weights(self, task: TrainTask) -> dict[str, torch.Tensor]:
+        """The round's global model: from the cache by digest, else fetched once."""
+        weights = self._models.get(task.model_digest)
+        if weights is not None:
+            self._models.move_to_end(task.model_digest)
+            return weights
+        request = to_wire(ModelGet(job_id=task.job_id, digest=task.model_digest))
+        body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
+        reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ModelReply)
+        if reply.error or reply.weights is None:
+            raise FedmqError(f"model {task.model_digest[:12]} unavailable: {reply.error}")
+        self.fetches += 1
+        weights = dict(reply.weights)
+        self._models[task.model_digest] = weights
+        while len(self._models) > MODEL_CACHE:
+            self._models.popitem(last=False)
+        return weights

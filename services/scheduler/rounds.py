@@ -1,0 +1,69 @@
+"""One round's bookkeeping as a pure object: who reported, who failed, is it done.
+
+    open ──(all sampled reported)──────────────────▶ CLOSE
+      │ ──(deadline, reported ≥ quorum)─────────────▶ CLOSE
+      │ ──(deadline or all settled, below quorum)───▶ RETRY (missing clients again)
+      │                                   attempts left = 0 ▶ FAIL
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Decision(enum.Enum):
+    WAIT = "wait"
+    CLOSE = "close"
+    RETRY = "retry"
+    FAIL = "fail"
+
+
+@dataclass
+class RoundState:
+    round: int
+    clients: list[int]
+    quorum: int
+    deadline: float
+    retries_left: int = 0
+    started: float = 0.0
+    reported: dict[int, int] = field(default_factory=dict)  # client → examples
+    failed: dict[int, str] = field(default_factory=dict)  # client → reason
+    closing: bool = False
+
+    def record_update(self, client: int, num_examples: int) -> bool:
+        """Count a client's accepted update; False for a duplicate or a stranger."""
+        if self.closing or client not in self.clients or client in self.reported:
+            return False
+        self.reported[client] = num_examples
+        self.failed.pop(client, None)
+        return True
+
+    def record_failure(self, client: int, reason: str) -> bool:
+        if self.closing or client not in self.clients or client in self.reported:
+            return False
+        self.failed[client] = reason
+        return True
+
+    @property
+    def missing(self) -> list[int]:
+        return [c for c in self.clients if c not in self.reported]
+
+    def decide(self, now: float) -> Decision:
+        if self.closing:
+            return Decision.WAIT
+        if len(self.reported) == len(self.clients):
+            return Decision.CLOSE
+        settled = len(self.reported) + len(self.failed) == len(self.clients)
+        if now < self.deadline and not settled:
+            return Decision.WAIT
+        if len(self.reported) >= self.quorum:
+            return Decision.CLOSE
+        return Decision.RETRY if self.retries_left > 0 else Decision.FAIL
+
+    def retry(self, deadline: float) -> list[int]:
+        """Start another attempt for the clients still missing; returns them."""
+        self.retries_left -= 1
+        self.deadline = deadline
+        self.failed.clear()
+        return self.missing

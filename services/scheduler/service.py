@@ -1,0 +1,230 @@
+"""Scheduler handlers: accept jobs, run each job's round loop, publish job events.
+
+Control plane only: no torch. Ack policy: messages on fedmq.scheduler are acked
+once their effect is published; undecodable ones and invalid job specs are
+rejected (dead-lettered) with the reason, and a spec error also fails the job
+visibly so `fedmq watch` can say why.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from common.bus import topology
+from common.bus.base import Bus, Delivery, Timer
+from common.errors import ConfigError, DecodeError, ValidationError
+from common.jobspec import JobSpec, parse_job
+from common.messages import (
+    ClientFailure,
+    JobCancel,
+    JobCreate,
+    JobEvent,
+    JobFailed,
+    JobSubmit,
+    Message,
+    RoundClose,
+    RoundClosed,
+    RoundOpen,
+    TrainTask,
+    UpdateAccepted,
+    from_wire,
+    to_wire,
+)
+from common.settings import Settings
+from services.scheduler.rounds import Decision, RoundState
+from services.scheduler.sampling import sample_clients
+
+log = structlog.get_logger("fedmq.scheduler")
+
+RUNNING, COMPLETED, FAILED, CANCELLED = "running", "completed", "failed", "cancelled"
+
+
+@dataclass
+class SchedJob:
+    job_id: str
+    spec: JobSpec
+    raw_spec: dict[str, Any]
+    status: str = RUNNING
+    round: int = 0
+    model_digest: str = ""
+    state: RoundState | None = None
+    timer: Timer | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    reason: str = ""
+
+
+class SchedulerService:
+    def __init__(self, settings: Settings, bus: Bus) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.jobs: dict[str, SchedJob] = {}
+
+    def start(self) -> None:
+        self.bus.consume(topology.SCHEDULER, self.on_message, prefetch=8)
+
+    def on_message(self, delivery: Delivery) -> None:
+        try:
+            msg = from_wire(delivery.body, max_bytes=self.settings.frame_bytes)
+            with structlog.contextvars.bound_contextvars(job=msg.job_id, round=getattr(msg, "round", None)):
+                self._handle(msg)
+        except (DecodeError, ValidationError) as exc:
+            log.warning("message_rejected", detail=str(exc))
+            delivery.reject(str(exc))
+            return
+        delivery.ack()
+
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, JobSubmit):
+            self.submit(msg)
+            return
+        job = self.jobs.get(msg.job_id)
+        if job is None:
+            raise ValidationError("unknown_job", msg.job_id)
+        if job.status != RUNNING:
+            log.info("ignored_finished_job", type=msg.type)  # type: ignore[attr-defined]
+            return
+        match msg:
+            case RoundClosed():
+                self.round_closed(job, msg)
+            case UpdateAccepted():
+                if job.state and job.state.round == msg.round:
+                    job.state.record_update(msg.client, msg.num_examples)
+                    self._advance(job)
+            case ClientFailure():
+                if job.state and job.state.round == msg.round:
+                    log.warning("client_failed", client=msg.client, code=msg.code, reason=msg.reason)
+                    job.state.record_failure(msg.client, f"{msg.code}: {msg.reason}")
+                    self._advance(job)
+            case JobFailed():
+                self._finish(job, FAILED, msg.reason)
+            case JobCancel():
+                self._finish(job, CANCELLED, msg.reason)
+            case _:
+                raise ValidationError("unexpected_type", msg.type)  # type: ignore[attr-defined]
+
+    # -- job lifecycle ----------------------------------------------------------
+
+    def submit(self, msg: JobSubmit) -> None:
+        if msg.job_id in self.jobs:
+            log.info("job_submit_duplicate")
+            return
+        try:
+            spec = parse_job(msg.spec)
+        except ConfigError as exc:
+            self._event(msg.job_id, "failed", data={"reason": str(exc)})
+            raise ValidationError("invalid_spec", str(exc)) from None
+        job = SchedJob(msg.job_id, spec, msg.spec)
+        self.jobs[msg.job_id] = job
+        self.bus.publish(topology.AGGREGATOR, to_wire(JobCreate(job_id=msg.job_id, spec=msg.spec)))
+        self._event(job.job_id, "accepted", rounds=spec.rounds, data={"name": spec.name})
+        log.info("job_accepted", name=spec.name, rounds=spec.rounds, clients=spec.clients.total)
+
+    def round_closed(self, job: SchedJob, msg: RoundClosed) -> None:
+        if msg.round != job.round:
+            log.info("round_closed_duplicate", closed=msg.round)
+            return
+        job.model_digest = msg.model_digest
+        record = msg.model_dump(include={
+            "round", "test_loss", "test_accuracy", "train_loss", "train_accuracy", "num_examples",
+            "aggregate_seconds", "model_path", "model_digest",
+        })
+        if job.state is not None:
+            record["clients"] = len(job.state.reported)
+            record["failed"] = len(job.state.failed)
+            record["seconds"] = time.monotonic() - job.state.started
+        job.history.append(record)
+        self._event(job.job_id, "round_completed", round=msg.round, data=record)
+        if msg.round >= job.spec.rounds:
+            self._finish(job, COMPLETED, "", model_path=msg.model_path)
+        else:
+            self.start_round(job, msg.round + 1)
+
+    def start_round(self, job: SchedJob, server_round: int) -> None:
+        spec = job.spec
+        clients = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
+        job.round = server_round
+        job.state = RoundState(
+            round=server_round,
+            clients=clients,
+            quorum=spec.clients.quorum,
+            deadline=time.monotonic() + spec.round_timeout_s,
+            retries_left=spec.max_round_retries,
+            started=time.monotonic(),
+        )
+        self.bus.publish(
+            topology.AGGREGATOR,
+            to_wire(RoundOpen(job_id=job.job_id, round=server_round, clients=clients)),
+        )
+        self._dispatch(job, clients)
+        self._arm_deadline(job)
+        self._event(job.job_id, "round_started", round=server_round, data={"clients": len(clients)})
+
+    def _dispatch(self, job: SchedJob, clients: list[int]) -> None:
+        for client in clients:
+            task = TrainTask(
+                job_id=job.job_id,
+                task_id=f"{job.job_id}:{job.round}:{client}",
+                round=job.round,
+                client=client,
+                model_digest=job.model_digest,
+                spec=job.raw_spec,
+            )
+            self.bus.publish(topology.TASKS, to_wire(task))
+
+    def _arm_deadline(self, job: SchedJob) -> None:
+        if job.timer is not None:
+            job.timer.cancel()
+        assert job.state is not None
+        delay = max(0.0, job.state.deadline - time.monotonic())
+        server_round = job.state.round
+        job.timer = self.bus.call_later(delay, lambda: self._on_deadline(job.job_id, server_round))
+
+    def _on_deadline(self, job_id: str, server_round: int) -> None:
+        job = self.jobs.get(job_id)
+        if job and job.status == RUNNING and job.state and job.state.round == server_round:
+            self._advance(job)
+
+    def _advance(self, job: SchedJob) -> None:
+        state = job.state
+        assert state is not None
+        decision = state.decide(time.monotonic())
+        if decision is Decision.CLOSE:
+            state.closing = True
+            if job.timer is not None:
+                job.timer.cancel()
+            clients = sorted(state.reported)
+            log.info("round_closing", reported=len(clients), sampled=len(state.clients),
+                     failed=len(state.failed))
+            self.bus.publish(
+                topology.AGGREGATOR,
+                to_wire(RoundClose(job_id=job.job_id, round=state.round, clients=clients)),
+            )
+        elif decision is Decision.RETRY:
+            missing = state.retry(time.monotonic() + job.spec.round_timeout_s)
+            log.warning("round_retry", missing=len(missing), retries_left=state.retries_left)
+            self._dispatch(job, missing)
+            self._arm_deadline(job)
+        elif decision is Decision.FAIL:
+            reasons = sorted(set(state.failed.values()))[:3]
+            self._finish(job, FAILED, (
+                f"round {state.round}: {len(state.reported)} of {len(state.clients)} clients "
+                f"reported, quorum is {state.quorum}; failures: {reasons or 'timeouts'}"
+            ))
+
+    def _finish(self, job: SchedJob, status: str, reason: str, **data: Any) -> None:
+        job.status, job.reason = status, reason
+        if job.timer is not None:
+            job.timer.cancel()
+        kind = {COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled"}[status]
+        self._event(job.job_id, kind, round=job.round, data={"reason": reason, **data})
+        log.info("job_finished", status=status, reason=reason)
+
+    def _event(self, job_id: str, kind: str, round: int | None = None,
+               rounds: int | None = None, data: dict[str, Any] | None = None) -> None:
+        event = JobEvent(job_id=job_id, kind=kind, round=round, rounds=rounds,  # type: ignore[arg-type]
+                         data=data or {})
+        self.bus.publish_event(topology.job_topic(job_id), to_wire(event))
