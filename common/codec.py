@@ -95,7 +95,7 @@ def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MA
     try:
         obj = msgpack.unpackb(
             view,
-            use_list=True,
+            use_list=True,  # arrays are lists, so tuples come back as lists (documented above)
             raw=False,  # str must be valid UTF-8; bin stays bytes
             strict_map_key=False,  # msgpack's strict mode allows bytes keys but not int; we check
             object_pairs_hook=_checked_dict,

@@ -13,6 +13,13 @@ from common.errors import ConfigError
 ENTRYPOINT = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
+def _source_first(data: Any) -> Any:
+    """With an entrypoint and no name, the built-in default name does not apply."""
+    if isinstance(data, dict) and data.get("entrypoint") and "name" not in data:
+        return {**data, "name": None}
+    return data
+
+
 class Spec(BaseModel):
     """Base for every spec section: strict keys, immutable."""
 
@@ -28,9 +35,11 @@ class ModelSpec(Spec):
     entrypoint: Annotated[str, Field(pattern=ENTRYPOINT)] | None = None
     options: dict[str, Any] = {}
 
+    _no_name_with_entrypoint = model_validator(mode="before")(lambda data: _source_first(data))
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
-        if self.entrypoint is not None and "name" in self.model_fields_set:
+        if self.entrypoint is not None and self.name is not None:
             raise ValueError("give either 'name' or 'entrypoint', not both")
         return self
 
@@ -64,9 +73,11 @@ class DataSpec(Spec):
     test_fraction: float = Field(0.2, gt=0, lt=1)
     partition: Partition = DirichletPartition()
 
+    _no_name_with_entrypoint = model_validator(mode="before")(lambda data: _source_first(data))
+
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:
-        if self.entrypoint is not None and "name" in self.model_fields_set:
+        if self.entrypoint is not None and self.name is not None:
             raise ValueError("give either 'name' or 'entrypoint', not both")
         return self
 

@@ -48,5 +48,5 @@ def configure_logging(fmt: Format = "auto", level: str = "info", stream=None) ->
     )
 
 
-def _identity(logger, name, event_dict):  # type: ignore[no-untyped-def]
+def _identity(logger, name, event_dict):
     return event_dict

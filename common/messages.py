@@ -29,7 +29,7 @@ class Message(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
-    v: Literal[1] = SCHEMA_VERSION
+    v: Literal[1] = 1  # SCHEMA_VERSION
     msg_id: str = Field(default_factory=new_id, max_length=64)
     job_id: str = Field(max_length=128)
     sent_at: float = Field(default_factory=time.time)
@@ -155,13 +155,14 @@ class ModelReply(Message):
     error: str | None = None
 
 
+EventKind = Literal["accepted", "round_started", "round_completed", "completed", "failed", "cancelled"]
+
+
 class JobEvent(Message):
     """Scheduler → anyone watching: what happened to a job."""
 
     type: Literal["job_event"] = "job_event"
-    kind: Literal[
-        "accepted", "round_started", "round_completed", "completed", "failed", "cancelled"
-    ]
+    kind: EventKind
     round: int | None = None
     rounds: int | None = None
     data: dict[str, Any] = {}

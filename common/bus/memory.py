@@ -8,6 +8,7 @@ unacked messages when a bus stops, a delivery limit, dead letters with reasons.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import queue
@@ -90,7 +91,7 @@ class MemoryBroker:
         with self._lock:
             targets = [(b, h) for p, b, h in self._subscriptions if topic_matches(p, topic)]
         for bus, handler in targets:
-            bus.call_soon(lambda h=handler: h(body))
+            bus.call_soon(functools.partial(handler, body))
 
     def _dispatch(self, name: str) -> None:
         q = self._queues[name]
@@ -112,7 +113,7 @@ class MemoryBroker:
                 _message=message,
             )
             consumer.unacked.add(delivery)
-            consumer.bus.call_soon(lambda c=consumer, d=delivery: c.bus._handle(c.handler, d))
+            consumer.bus.call_soon(functools.partial(consumer.bus._handle, consumer.handler, delivery))
 
     @staticmethod
     def _next_consumer(q: _Queue) -> _Consumer | None:
@@ -162,20 +163,17 @@ class MemoryBroker:
 
 @dataclass(eq=False)
 class MemoryDelivery(Delivery):
-    _broker: MemoryBroker | None = None
-    _consumer: _Consumer | None = None
-    _message: _Message | None = None
+    _broker: MemoryBroker = field(kw_only=True)
+    _consumer: _Consumer = field(kw_only=True)
+    _message: _Message = field(kw_only=True)
 
     def ack(self) -> None:
-        assert self._broker is not None
         self._broker._settle(self, "ack")
 
     def reject(self, reason: str) -> None:
-        assert self._broker is not None
         self._broker._settle(self, "reject", reason)
 
     def requeue(self) -> None:
-        assert self._broker is not None
         self._broker._settle(self, "requeue")
 
 

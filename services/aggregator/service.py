@@ -42,7 +42,7 @@ from common.workloads.datasets import load_dataset
 from common.workloads.models import build_model
 from services.aggregator.evaluation import evaluate
 from services.aggregator.store import JobStore
-from services.aggregator.strategies import Strategy, build_strategy
+from services.aggregator.strategies import ClientResult, Strategy, build_strategy
 from services.aggregator.validation import check_update
 
 log = structlog.get_logger("fedmq.aggregator")
@@ -255,7 +255,7 @@ class AggregatorService:
         self.bus.publish(topology.SCHEDULER, to_wire(msg))
 
 
-def _weighted(results, key: str) -> float | None:  # type: ignore[no-untyped-def]
+def _weighted(results: list[ClientResult], key: str) -> float | None:
     pairs = [(r.metrics[key], r.num_examples) for r in results if key in r.metrics]
     total = sum(n for _, n in pairs)
     return sum(v * n for v, n in pairs) / total if total else None

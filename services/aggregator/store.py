@@ -14,6 +14,7 @@ back one at a time in client order (bounded memory, order-independent result).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -95,13 +96,17 @@ class JobStore:
                     client=client,
                     num_examples=int(summary["num_examples"]),
                     metrics={k: float(v) for k, v in summary["metrics"].items()},
-                    load=lambda p=path: expect(from_wire(p.read_bytes()), ClientUpdate).weights,
+                    load=functools.partial(_load_weights, path),
                 )
             )
         return out
 
     def drop_updates(self, server_round: int) -> None:
         shutil.rmtree(self.root / "updates" / f"r{server_round}", ignore_errors=True)
+
+
+def _load_weights(path: Path) -> dict[str, torch.Tensor]:
+    return expect(from_wire(path.read_bytes()), ClientUpdate).weights
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -7,11 +7,20 @@ composition root for separate processes. Same services, same handlers.
 from __future__ import annotations
 
 import threading
+import time
+import uuid
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
+from common.bus import topology
 from common.bus.memory import MemoryBroker, MemoryBus
+from common.jobspec import JobSpec
+from common.messages import JobEvent, JobSubmit, to_wire
 from common.settings import Settings
 from services.aggregator.service import AggregatorService
+from services.cli.follow import TERMINAL, JobFollower
+from services.cli.summary import summarize
 from services.learner.service import LearnerService
 from services.scheduler.service import SchedulerService
 
@@ -57,3 +66,45 @@ class EmbeddedCluster:
             ("aggregator", self.aggregator),
             *[(f"learner-{i}", learner) for i, learner in enumerate(self.learners)],
         ]
+
+
+def run_job(
+    spec: JobSpec,
+    settings: Settings,
+    *,
+    learners: int = 1,
+    job_id: str | None = None,
+    on_event: Callable[[JobEvent], None] | None = None,
+    idle_timeout: float | None = None,
+) -> dict[str, Any]:
+    """Train `spec` to the end in this process; returns status, per-round history and model."""
+    job_id = job_id or new_job_id(spec)
+    history: list[dict[str, Any]] = []
+    final: dict[str, Any] = {"status": "unknown"}
+    started = time.perf_counter()
+    with EmbeddedCluster(settings, learners=learners) as cluster:
+        follower = JobFollower(cluster.connect(), job_id).start()
+        try:
+            submit = JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json"))
+            follower.bus.publish(topology.SCHEDULER, to_wire(submit))
+            for event in follower.events(idle_timeout=idle_timeout):
+                if on_event is not None:
+                    on_event(event)
+                if event.kind == "round_completed":
+                    history.append(dict(event.data))
+                elif event.kind in TERMINAL:
+                    final = {"status": event.kind, **event.data}
+        finally:
+            follower.close()
+    return {
+        "job_id": job_id,
+        "name": spec.name,
+        "wall_seconds": time.perf_counter() - started,
+        **final,
+        **summarize(history),
+        "history": history,
+    }
+
+
+def new_job_id(spec: JobSpec) -> str:
+    return f"{spec.name}-{uuid.uuid4().hex[:8]}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -29,10 +30,9 @@ class JobFollower:
         return self
 
     def _on_event(self, body: bytes) -> None:
-        try:
+        # Events are advisory: a bad one is skipped, never fatal to a watcher.
+        with contextlib.suppress(DecodeError):
             self._events.put(expect(from_wire(body), JobEvent))
-        except DecodeError:
-            pass  # events are advisory; a bad one is skipped, never fatal to a watcher
 
     def events(self, idle_timeout: float | None = None) -> Iterator[JobEvent]:
         """Yield events until a terminal one; TimeoutError if none comes for idle_timeout s."""

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,7 +14,6 @@ from rich.console import Console
 from common.errors import ConfigError
 from common.jobspec import JobSpec, load_job
 from common.logging import configure_logging
-from common.messages import JobSubmit, to_wire
 from common.settings import Settings
 
 app = typer.Typer(
@@ -63,10 +60,6 @@ def _settings(**overrides: Any) -> Settings:
         raise typer.Exit(EXIT_USAGE) from None
 
 
-def new_job_id(spec: JobSpec) -> str:
-    return f"{spec.name}-{uuid.uuid4().hex[:8]}"
-
-
 @app.command()
 def run(
     job: Annotated[Path, typer.Argument(help="job spec (YAML)")],
@@ -78,37 +71,14 @@ def run(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show service logs")] = False,
 ) -> None:
     """Train a job in this process on the in-memory bus (no broker needed)."""
-    from services.cli.embedded import EmbeddedCluster
-    from services.cli.follow import JobFollower
-    from services.cli.render import RoundProgress, print_summary, summarize
+    from services.cli.embedded import run_job
+    from services.cli.render import RoundProgress, print_summary
 
     spec = _load(job, rounds, seed)
     settings = _settings(state_dir=state_dir)
     configure_logging(settings.log_format, "info" if verbose else "warning")
-    job_id = new_job_id(spec)
-    history: list[dict[str, Any]] = []
-    final: dict[str, Any] = {}
-    started = time.perf_counter()
-    with EmbeddedCluster(settings, learners=learners) as cluster:
-        follower = JobFollower(cluster.connect(), job_id).start()
-        submit = JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json"))
-        follower.bus.publish("fedmq.scheduler", to_wire(submit))
-        with RoundProgress(err, enabled=not verbose) as progress:
-            for event in follower.events():
-                progress.update(event)
-                if event.kind == "round_completed":
-                    history.append(dict(event.data))
-                elif event.kind in ("completed", "failed", "cancelled"):
-                    final = {"status": event.kind, **event.data}
-        follower.close()
-    result = {
-        "job_id": job_id,
-        "name": spec.name,
-        "wall_seconds": time.perf_counter() - started,
-        **final,
-        **summarize(history),
-        "history": history,
-    }
+    with RoundProgress(err, enabled=not verbose) as progress:
+        result = run_job(spec, settings, learners=learners, on_event=progress.update)
     if json_out:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     print_summary(err if json_out else Console(), result)

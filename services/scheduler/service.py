@@ -20,6 +20,7 @@ from common.errors import ConfigError, DecodeError, ValidationError
 from common.jobspec import JobSpec, parse_job
 from common.messages import (
     ClientFailure,
+    EventKind,
     JobCancel,
     JobCreate,
     JobEvent,
@@ -219,12 +220,11 @@ class SchedulerService:
         job.status, job.reason = status, reason
         if job.timer is not None:
             job.timer.cancel()
-        kind = {COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled"}[status]
+        kind: EventKind = {COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled"}[status]  # type: ignore[assignment]
         self._event(job.job_id, kind, round=job.round, data={"reason": reason, **data})
         log.info("job_finished", status=status, reason=reason)
 
-    def _event(self, job_id: str, kind: str, round: int | None = None,
+    def _event(self, job_id: str, kind: EventKind, round: int | None = None,
                rounds: int | None = None, data: dict[str, Any] | None = None) -> None:
-        event = JobEvent(job_id=job_id, kind=kind, round=round, rounds=rounds,  # type: ignore[arg-type]
-                         data=data or {})
+        event = JobEvent(job_id=job_id, kind=kind, round=round, rounds=rounds, data=data or {})
         self.bus.publish_event(topology.job_topic(job_id), to_wire(event))

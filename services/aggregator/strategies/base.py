@@ -34,5 +34,5 @@ class Strategy(ABC):
         """Tensors to checkpoint beside the global weights (e.g. server momentum)."""
         return {}
 
-    def load_state(self, state: StateDict) -> None:
+    def load_state(self, state: StateDict) -> None:  # noqa: B027 - stateless strategies need nothing
         """Restore what `state()` returned."""

@@ -1,0 +1,37 @@
+# Two commands for a newcomer: `make run` trains the example job, `make test` runs every test.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+JOB    ?= examples/digits.yaml
+
+.PHONY: run test install lint typecheck bench broker clean
+
+run: $(STAMP)
+	$(BIN)/fedmq run $(JOB)
+
+test: $(STAMP) broker
+	$(BIN)/python -m pytest
+
+# torch first (the CPU wheel), then the project, so pip never reaches for a CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+broker:
+	@scripts/ensure-rabbitmq.sh
+
+lint: $(STAMP)
+	$(BIN)/ruff check common services tests benchmarks examples
+	$(BIN)/mypy common services
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/codec.py
+	$(BIN)/python benchmarks/embedded.py
+
+clean:
+	rm -rf $(VENV) .fedmq .pytest_cache .mypy_cache .hypothesis

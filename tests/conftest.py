@@ -1,0 +1,39 @@
+"""Shared fixtures: small job specs and isolated service settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.jobspec import JobSpec, parse_job
+from common.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def small_job(**changes: Any) -> JobSpec:
+    """A digits job that trains in about a second: 5 clients, 3 rounds, 1 local epoch."""
+    raw: dict[str, Any] = {
+        "name": "tiny",
+        "seed": 3,
+        "model": {"name": "mlp", "hidden": [32]},
+        "data": {"name": "digits", "partition": {"kind": "dirichlet", "alpha": 0.5}},
+        "clients": {"total": 5},
+        "rounds": 3,
+        "train": {"epochs": 1, "batch_size": 32, "lr": 0.1},
+        "round_timeout_s": 60,
+    }
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = raw
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return parse_job(raw)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(state_dir=tmp_path / "state", log_format="json", log_level="warning")

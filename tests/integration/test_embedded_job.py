@@ -1,0 +1,138 @@
+"""Whole jobs on the in-memory bus: learning, reproducibility, strategies, plug-ins, failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.checkpoint import load_model, load_state
+from common.settings import Settings
+from common.workloads.datasets import load_dataset
+from common.workloads.partition import partition
+from services.aggregator.evaluation import evaluate
+from services.cli.embedded import run_job
+from tests.conftest import small_job
+from tests.integration import faulty_plugin
+
+
+def final_weights(result: dict) -> dict[str, torch.Tensor]:
+    return load_state(result["model_path"])[0]
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+
+
+def test_a_short_job_improves_accuracy_over_its_initial_model(settings: Settings) -> None:
+    result = run_job(small_job(), settings, idle_timeout=60)
+    assert result["status"] == "completed"
+    assert [h["round"] for h in result["history"]] == [0, 1, 2, 3]
+    assert result["final_accuracy"] > result["initial_accuracy"] + 0.3
+
+
+def test_two_runs_of_the_same_spec_give_bit_identical_weights(settings: Settings, tmp_path) -> None:
+    first = run_job(small_job(), settings, idle_timeout=60)
+    second = run_job(small_job(), Settings(state_dir=tmp_path / "other"), idle_timeout=60)
+    assert first["model_digest"] == second["model_digest"]
+    assert_bit_identical(final_weights(first), final_weights(second))
+    assert [h["test_accuracy"] for h in first["history"]] == [
+        h["test_accuracy"] for h in second["history"]
+    ]
+
+
+def test_changing_the_seed_changes_the_final_weights(settings: Settings) -> None:
+    a = run_job(small_job(seed=1), settings, idle_timeout=60)
+    b = run_job(small_job(seed=2), settings, idle_timeout=60)
+    assert a["model_digest"] != b["model_digest"]
+    wa, wb = final_weights(a), final_weights(b)
+    assert any(not torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_three_learners_give_the_same_weights_as_one(settings: Settings, tmp_path) -> None:
+    # Updates arrive in a different order with three learners; the result must not care.
+    spec = small_job(clients__total=9, rounds=2)
+    one = run_job(spec, settings, learners=1, idle_timeout=60)
+    three = run_job(spec, Settings(state_dir=tmp_path / "three"), learners=3, idle_timeout=60)
+    assert one["status"] == three["status"] == "completed"
+    assert_bit_identical(final_weights(one), final_weights(three))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"strategy": {"name": "average"}},
+        {"strategy": {"name": "fedavgm", "server_momentum": 0.5}},
+        {"model": {"name": "cnn", "channels": [8]}, "data__partition": {"kind": "shards"}},
+        {"data__partition": {"kind": "iid"}, "train__optimizer": "adam", "train__lr": 0.01},
+    ],
+    ids=["average", "fedavgm", "cnn-shards", "iid-adam"],
+)
+def test_every_strategy_model_and_partition_learns(settings: Settings, changes: dict) -> None:
+    result = run_job(small_job(rounds=4, **changes), settings, idle_timeout=60)
+    assert result["status"] == "completed"
+    assert result["final_accuracy"] > result["initial_accuracy"] + 0.2
+
+
+def test_sampling_trains_only_per_round_clients_each_round(settings: Settings) -> None:
+    result = run_job(small_job(clients__total=20, clients__per_round=4), settings, idle_timeout=60)
+    assert result["status"] == "completed"
+    assert all(h["clients"] == 4 for h in result["history"][1:])
+
+
+def test_the_saved_model_reloads_and_scores_the_reported_accuracy(settings: Settings) -> None:
+    spec = small_job()
+    result = run_job(spec, settings, idle_timeout=60)
+    model = load_model(result["model_path"])
+    data = load_dataset(spec.data, spec.seed)
+    _, accuracy = evaluate(model, torch.tensor(data.x_test), torch.tensor(data.y_test))
+    assert accuracy == result["final_accuracy"]
+
+
+def test_a_users_plugin_model_dataset_and_trainer_run_end_to_end(settings: Settings) -> None:
+    spec = small_job(
+        model={"entrypoint": "examples.plugins.my_model:build", "options": {"width": 16}},
+        data={
+            "entrypoint": "examples.plugins.my_model:load",
+            "options": {"num_samples": 300, "num_classes": 3},
+            "partition": {"kind": "iid"},
+        },
+        train__entrypoint="examples.plugins.my_model:train",
+    )
+    result = run_job(spec, settings, idle_timeout=60)
+    assert result["status"] == "completed"
+    assert result["final_accuracy"] > 0.8
+
+
+def test_a_failing_client_leaves_the_round_to_close_at_quorum(settings: Settings) -> None:
+    spec = small_job(
+        clients__min_fit=4, train__entrypoint="tests.integration.faulty_plugin:train", rounds=2
+    )
+    data = load_dataset(spec.data, spec.seed)
+    parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
+    faulty_plugin.FAIL_SIZE[0] = len(parts[0])
+    try:
+        result = run_job(spec, settings, idle_timeout=60)
+    finally:
+        faulty_plugin.FAIL_SIZE[0] = -1
+    assert result["status"] == "completed"
+    assert [h["clients"] for h in result["history"][1:]] == [4, 4]
+    assert [h["failed"] for h in result["history"][1:]] == [1, 1]
+
+
+def test_a_round_below_quorum_fails_the_job_with_a_reason(settings: Settings) -> None:
+    spec = small_job(
+        clients__min_fit=5, max_round_retries=1, train__entrypoint="tests.integration.faulty_plugin:train"
+    )
+    data = load_dataset(spec.data, spec.seed)
+    parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
+    faulty_plugin.FAIL_SIZE[0] = len(parts[0])
+    try:
+        result = run_job(spec, settings, idle_timeout=60)
+    finally:
+        faulty_plugin.FAIL_SIZE[0] = -1
+    assert result["status"] == "failed"
+    assert "quorum is 5" in result["reason"]
+    assert "simulated out-of-memory" in result["reason"]
