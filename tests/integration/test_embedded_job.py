@@ -13,6 +13,7 @@ from services.aggregator.evaluation import evaluate
 from services.cli.embedded import run_job
 from tests.conftest import small_job
 from tests.integration import faulty_plugin
+from tests.reference import reference_fedavg
 
 
 def final_weights(result: dict) -> dict[str, torch.Tensor]:
@@ -136,3 +137,14 @@ def test_a_round_below_quorum_fails_the_job_with_a_reason(settings: Settings) ->
     assert result["status"] == "failed"
     assert "quorum is 5" in result["reason"]
     assert "simulated out-of-memory" in result["reason"]
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedavgm"])
+def test_the_services_compute_exactly_what_a_plain_fedavg_loop_computes(
+    settings: Settings, strategy: str
+) -> None:
+    spec = small_job(clients__total=8, clients__per_round=5, strategy={"name": strategy})
+    result = run_job(spec, settings, idle_timeout=60)
+    expected = reference_fedavg(spec)
+    assert_bit_identical(final_weights(result), expected["weights"])
+    assert [h["test_accuracy"] for h in result["history"][1:]] == expected["accuracies"]

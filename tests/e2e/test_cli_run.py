@@ -1,0 +1,71 @@
+"""The `fedmq` command as a user runs it: a real process, real files, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+FEDMQ = [sys.executable, "-m", "services.cli.main"]
+
+
+def fedmq(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    return subprocess.run(
+        [*FEDMQ, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_run_with_json_prints_a_round_history_and_saves_the_model(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    proc = fedmq("run", "examples/digits.yaml", "--rounds", "2", "--json", "--state-dir", str(state))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["status"] == "completed"
+    assert [h["round"] for h in result["history"]] == [0, 1, 2]
+    assert Path(result["model_path"]).is_file()
+    assert Path(result["model_path"]).is_relative_to(state)
+    assert "model saved to" in proc.stderr
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+GOOD = (REPO / "examples" / "digits.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda t: t.replace("batch_size:", "batch_sise:"), ["train.batch_sise", "did you mean 'batch_size'"]),
+        (lambda t: t.replace("lr: 0.05", "lr: -0.05"), ["train.lr", "greater than 0"]),
+        (lambda t: t.replace("per_round: 10", "per_round: 11"), ["clients", "per_round (11)", "total (10)"]),
+        (lambda t: t.replace("kind: dirichlet", "kind: dirichet"), ["data.partition", "dirichlet"]),
+        (lambda t: t + "\nrounds: [", ["not valid YAML"]),
+    ],
+    ids=["typo", "negative-lr", "per-round-over-total", "unknown-partition", "bad-yaml"],
+)
+def test_a_bad_spec_is_refused_before_anything_runs(tmp_path: Path, edit, expected) -> None:
+    state = tmp_path / "state"
+    proc = fedmq("run", str(write(tmp_path, edit(GOOD))), "--state-dir", str(state), timeout=60)
+    assert proc.returncode == 2
+    for text in expected:
+        assert text in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not state.exists(), "nothing may run for a refused spec"
+
+
+def test_a_missing_spec_file_is_one_clear_line(tmp_path: Path) -> None:
+    proc = fedmq("run", str(tmp_path / "nope.yaml"), timeout=60)
+    assert proc.returncode == 2
+    assert "cannot read job spec" in proc.stderr
+    assert "Traceback" not in proc.stderr
