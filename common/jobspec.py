@@ -23,7 +23,8 @@ def _source_first(data: Any) -> Any:
 class Spec(BaseModel):
     """Base for every spec section: strict keys, immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: YAML's `true` is not a round count and "5" is not a batch size.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSpec(Spec):
@@ -188,7 +189,11 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = raw
     for key in parents:
-        node = node.setdefault(key, {})
+        if node.get(key) is None:
+            node[key] = {}
+        node = node[key]
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot override {dotted}: {key} is not a section")
     node[leaf] = value
 
 
@@ -196,48 +201,67 @@ def format_errors(exc: ValidationError) -> str:
     """One line per error: the dotted field path, what is wrong, and the allowed values."""
     lines = []
     for err in exc.errors():
-        path = _field_path(err["loc"])
+        path, _ = _resolve(err["loc"])
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = f"unknown key{_suggest(err['loc'])}"
         elif err["type"] == "literal_error":
             msg = f"{msg} (got {err.get('input')!r})"
         elif err["type"] == "union_tag_invalid":
-            expected = err.get("ctx", {}).get("expected_tags", "")
-            msg = f"unknown kind {err.get('input')!r}; allowed: {expected}"
-        lines.append(f"  - {path}: {msg}")
+            ctx = err.get("ctx", {})
+            msg = f"unknown kind {ctx.get('tag')!r}; allowed: {ctx.get('expected_tags', '')}"
+        lines.append(f"  - {'.'.join(path) or '(top level)'}: {msg}")
     return "\n".join(lines)
 
 
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    # Discriminated unions add the tag as a path element: drop it so the path is the YAML's.
-    parts = [str(p) for p in loc if not _is_tag(p)]
-    return ".".join(parts) or "(top level)"
-
-
-def _is_tag(part: int | str) -> bool:
-    return isinstance(part, str) and part in {
-        "iid", "dirichlet", "shards", "fedavg", "average", "fedavgm"
+def _union_members() -> dict[tuple[type[BaseModel], str], dict[str, type[BaseModel]]]:
+    return {
+        (DataSpec, "partition"): {
+            "iid": IidPartition, "dirichlet": DirichletPartition, "shards": ShardsPartition
+        },
+        (JobSpec, "strategy"): {
+            "fedavg": FedAvgStrategy, "average": AverageStrategy, "fedavgm": FedAvgMStrategy
+        },
     }
+
+
+def _resolve(loc: tuple[int | str, ...]) -> tuple[list[str], type[BaseModel] | None]:
+    """The YAML path of an error location, and the spec section it ends in (if any).
+
+    Discriminated unions put the member's tag into the location right after the
+    union field; it is not part of the YAML path, so it is dropped there only.
+    """
+    unions = _union_members()
+    section: type[BaseModel] | None = JobSpec
+    path: list[str] = []
+    i = 0
+    while i < len(loc):
+        part = loc[i]
+        path.append(str(part))
+        members = unions.get((section, str(part))) if section is not None else None
+        if members is not None and i + 1 < len(loc) and loc[i + 1] in members:
+            section = members[str(loc[i + 1])]
+            i += 2
+            continue
+        field = section.model_fields.get(str(part)) if section is not None else None
+        annotation = field.annotation if field is not None else None
+        is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        section = annotation if is_model else None  # type: ignore[assignment]
+        i += 1
+    return path, section
 
 
 def _suggest(loc: tuple[int | str, ...]) -> str:
     """For a misspelt key, name the closest allowed key of the section it sits in."""
     import difflib
 
-    section: type[BaseModel] = JobSpec
-    for part in loc[:-1]:
-        if _is_tag(part):
-            continue
-        field = section.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return ""
-        section = annotation
+    _, section = _resolve(loc[:-1])
+    if section is None:
+        return ""
     allowed = list(section.model_fields)
     close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
-    return f"{hint} allowed: {', '.join(allowed)}"
+    return f"{hint}; allowed: {', '.join(allowed)}"
 
 
 def canonical_json(spec: JobSpec) -> str:

@@ -203,7 +203,7 @@ def from_wire(data: bytes | memoryview, *, max_bytes: int = codec.DEFAULT_MAX_BY
     if not isinstance(raw, dict):
         raise DecodeError(f"message must be a map, got {type(raw).__name__}")
     version = raw.get("v")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:
         raise DecodeError(f"unsupported schema version {version!r} (this build reads {SCHEMA_VERSION})")
     try:
         return _adapter.validate_python(raw)

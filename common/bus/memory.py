@@ -26,6 +26,8 @@ from common.bus.base import Bus, Delivery, EventHandler, Handler, Timer, topic_m
 
 log = structlog.get_logger(__name__)
 
+REPLY_PREFIX = "reply."
+
 
 @dataclass
 class DeadLetter:
@@ -84,6 +86,8 @@ class MemoryBroker:
             if waiter is not None:
                 waiter.set(message.body)
                 return
+            if name.startswith(REPLY_PREFIX):
+                return  # a reply nobody waits for any more (timed out): dropped, as RabbitMQ does
             self._queues[name].ready.append(message)
             self._dispatch(name)
 
@@ -233,7 +237,7 @@ class MemoryBus(Bus):
             self.broker._subscriptions.append((pattern, self, handler))
 
     def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
-        address = f"reply.{uuid.uuid4().hex}"
+        address = f"{REPLY_PREFIX}{uuid.uuid4().hex}"
         waiter = _Waiter()
         with self.broker._lock:
             self.broker._waiters[address] = waiter

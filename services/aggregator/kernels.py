@@ -7,6 +7,7 @@ is the same whatever order the updates arrived in.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -17,6 +18,8 @@ StateDict = dict[str, torch.Tensor]
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype.is_complex:
+        return torch.complex128
     if dtype == torch.float64:
         return torch.float64
     if dtype.is_floating_point:
@@ -26,23 +29,29 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def weighted_mean(results: Iterable[tuple[Mapping[str, torch.Tensor], float]]) -> StateDict:
     """Σ wₖ·xₖ / Σ wₖ over state dicts, folding one result at a time."""
-    acc: StateDict = {}
+    acc: StateDict | None = None
     dtypes: dict[str, torch.dtype] = {}
     total = 0.0
     for state, weight in results:
-        if weight < 0 or not torch.isfinite(torch.tensor(weight)):
+        if weight < 0 or not math.isfinite(weight):
             raise AggregationError(f"weight must be finite and non-negative, got {weight}")
-        if not acc:
-            for name, tensor in state.items():
-                dtypes[name] = tensor.dtype
-                acc[name] = tensor.to(_accumulator_dtype(tensor.dtype), copy=True).mul_(weight)
+        if acc is None:
+            dtypes = {name: tensor.dtype for name, tensor in state.items()}
+            acc = {
+                name: tensor.to(_accumulator_dtype(tensor.dtype), copy=True).mul_(weight)
+                for name, tensor in state.items()
+            }
         else:
             if state.keys() != acc.keys():
                 raise AggregationError("results disagree on tensor names")
             for name, tensor in state.items():
+                if tensor.shape != acc[name].shape:
+                    raise AggregationError(
+                        f"{name}: shape {tuple(tensor.shape)} differs from {tuple(acc[name].shape)}"
+                    )
                 acc[name].add_(tensor.to(acc[name].dtype), alpha=weight)
         total += weight
-    if not acc:
+    if acc is None:
         raise AggregationError("no results to aggregate")
     if total <= 0:
         raise AggregationError("total weight is zero")

@@ -46,7 +46,8 @@ GOOD = (REPO / "examples" / "digits.yaml").read_text()
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
-        (lambda t: t.replace("batch_size:", "batch_sise:"), ["train.batch_sise", "did you mean 'batch_size'"]),
+        (lambda t: t.replace("batch_size:", "batch_sise:"),
+         ["train.batch_sise", "did you mean 'batch_size'"]),
         (lambda t: t.replace("lr: 0.05", "lr: -0.05"), ["train.lr", "greater than 0"]),
         (lambda t: t.replace("per_round: 10", "per_round: 11"), ["clients", "per_round (11)", "total (10)"]),
         (lambda t: t.replace("kind: dirichlet", "kind: dirichet"), ["data.partition", "dirichlet"]),

@@ -1,0 +1,365 @@
+"""Typed messages: every type round-trips, and every bad input is one DecodeError."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from common import codec
+from common.errors import DecodeError
+from common.messages import (
+    SCHEMA_VERSION,
+    AnyMessage,
+    ClientFailure,
+    ClientUpdate,
+    JobCancel,
+    JobCreate,
+    JobEvent,
+    JobFailed,
+    JobSubmit,
+    Message,
+    ModelGet,
+    ModelReply,
+    RoundClose,
+    RoundClosed,
+    RoundOpen,
+    TrainTask,
+    UpdateAccepted,
+    expect,
+    from_wire,
+    to_wire,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SPEC = {"name": "job", "clients": {"total": 4}, "rounds": 2, "train": {"lr": 0.1}}
+
+
+def weights() -> dict[str, torch.Tensor]:
+    return {
+        "fc.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7,
+        "fc.bias": torch.tensor([1.5, -2.0, 0.25], dtype=torch.float64),
+        "bn.num_batches_tracked": torch.tensor(17, dtype=torch.int64),
+        "half": torch.tensor([0.1, 0.2], dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 5),
+    }
+
+
+SAMPLES: dict[str, Message] = {
+    "job_submit": JobSubmit(job_id="j1", spec=SPEC),
+    "job_cancel": JobCancel(job_id="j1", reason="user pressed ctrl-c"),
+    "job_create": JobCreate(job_id="j1", spec=SPEC),
+    "round_open": RoundOpen(job_id="j1", round=3, clients=[0, 4, 9]),
+    "round_close": RoundClose(job_id="j1", round=3, clients=[0, 9]),
+    "train_task": TrainTask(
+        job_id="j1", task_id="j1:3:4", round=3, client=4, model_digest="ab" * 32, spec=SPEC
+    ),
+    "client_update": ClientUpdate(
+        job_id="j1",
+        task_id="j1:3:4",
+        round=3,
+        client=4,
+        base_digest="ab" * 32,
+        num_examples=120,
+        metrics={"loss": 0.5, "accuracy": 0.875},
+        train_seconds=1.25,
+        learner="learner-1",
+        weights=weights(),
+    ),
+    "client_failure": ClientFailure(
+        job_id="j1", task_id="j1:3:4", round=3, client=4, code="oom", reason="out of memory"
+    ),
+    "update_accepted": UpdateAccepted(
+        job_id="j1", round=3, client=4, num_examples=120, metrics={"loss": 0.5}
+    ),
+    "round_closed": RoundClosed(
+        job_id="j1",
+        round=3,
+        model_digest="cd" * 32,
+        clients=[0, 9],
+        num_examples=240,
+        test_loss=0.3,
+        test_accuracy=0.9,
+        train_loss=0.25,
+        aggregate_seconds=0.01,
+        model_path="/tmp/model.safetensors",
+    ),
+    "job_failed": JobFailed(job_id="j1", reason="round 3: 1 of 4 clients reported"),
+    "model_get": ModelGet(job_id="j1", digest="ab" * 32),
+    "model_reply": ModelReply(job_id="j1", digest="ab" * 32, weights=weights()),
+    "job_event": JobEvent(job_id="j1", kind="round_completed", round=3, rounds=10, data={"accuracy": 0.9}),
+}
+EXTRA_SAMPLES: dict[str, Message] = {
+    "model_reply_error": ModelReply(job_id="j1", digest="ff", error="unknown digest"),
+    "client_update_no_tensors": SAMPLES["client_update"].model_copy(update={"weights": {}}),
+}
+
+
+def raw_of(msg: Message) -> dict[str, Any]:
+    """The decoded msgpack map of a message, to edit before re-encoding."""
+    raw = codec.unpackb(to_wire(msg))
+    assert isinstance(raw, dict)
+    return raw
+
+
+def assert_same_message(got: Message, sent: Message) -> None:
+    assert type(got) is type(sent)
+    assert got.model_dump(exclude={"weights"}) == sent.model_dump(exclude={"weights"})
+    sent_weights = getattr(sent, "weights", None)
+    got_weights = getattr(got, "weights", None)
+    if sent_weights is None:
+        assert got_weights is None
+        return
+    assert got_weights is not None
+    assert list(got_weights) == list(sent_weights), "names and their order survive"
+    for name, tensor in sent_weights.items():
+        assert got_weights[name].dtype == tensor.dtype
+        assert torch.equal(got_weights[name], tensor), name
+
+
+# --- round trips -----------------------------------------------------------------------------
+
+
+def test_the_samples_cover_every_message_type() -> None:
+    union = typing.get_args(typing.get_args(AnyMessage)[0])
+    assert {cls.model_fields["type"].default for cls in union} == set(SAMPLES)
+
+
+@pytest.mark.parametrize("msg", [*SAMPLES.values(), *EXTRA_SAMPLES.values()], ids=[*SAMPLES, *EXTRA_SAMPLES])
+def test_every_message_type_round_trips_through_the_wire(msg: Message) -> None:
+    data = to_wire(msg)
+    assert isinstance(data, bytes)
+    assert_same_message(from_wire(data), msg)
+
+
+@pytest.mark.parametrize("kind", sorted(set(SAMPLES) - {"client_update", "model_reply"}))
+def test_a_message_without_tensors_decodes_equal_to_the_original(kind: str) -> None:
+    assert from_wire(to_wire(SAMPLES[kind])) == SAMPLES[kind]
+
+
+def test_a_round_trip_keeps_the_envelope_ids_and_timestamp_exactly() -> None:
+    msg = JobFailed(job_id="j1", reason="x", sent_at=1_700_000_000.123456789)
+    got = from_wire(to_wire(msg))
+    assert (got.v, got.msg_id, got.job_id, got.sent_at) == (
+        SCHEMA_VERSION,
+        msg.msg_id,
+        "j1",
+        1_700_000_000.123456789,
+    )
+
+
+def test_from_wire_accepts_a_memoryview() -> None:
+    msg = SAMPLES["round_open"]
+    assert from_wire(memoryview(to_wire(msg))) == msg
+
+
+def test_each_message_gets_a_fresh_id() -> None:
+    assert JobFailed(job_id="j", reason="r").msg_id != JobFailed(job_id="j", reason="r").msg_id
+
+
+def test_the_message_schemas_decode_without_importing_torch() -> None:
+    code = (
+        "import sys\n"
+        "from common.messages import JobFailed, from_wire, to_wire\n"
+        "msg = JobFailed(job_id='j', reason='r')\n"
+        "assert from_wire(to_wire(msg)) == msg\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+
+
+# --- decode failures -------------------------------------------------------------------------
+
+
+def refusal(raw: Any) -> str:
+    """The DecodeError message from_wire gives for raw, encoded with the codec."""
+    with pytest.raises(DecodeError) as info:
+        from_wire(codec.packb(raw))
+    return str(info.value)
+
+
+def test_an_unknown_type_is_a_decode_error() -> None:
+    message = refusal({**raw_of(SAMPLES["job_failed"]), "type": "job_explode"})
+    assert message.startswith("schema: ")
+    assert "job_explode" in message
+
+
+@pytest.mark.parametrize("field", ["type", "job_id", "reason"])
+def test_a_missing_field_is_a_decode_error(field: str) -> None:
+    raw = raw_of(SAMPLES["job_failed"])
+    del raw[field]
+    assert refusal(raw).startswith("schema: ")
+
+
+def test_a_missing_required_round_names_the_field() -> None:
+    raw = raw_of(SAMPLES["round_open"])
+    del raw["round"]
+    assert refusal(raw) == "schema: round_open.round: Field required"
+
+
+def test_an_extra_field_is_a_decode_error() -> None:
+    raw = {**raw_of(SAMPLES["round_open"]), "priority": 1}
+    assert refusal(raw) == "schema: round_open.priority: Extra inputs are not permitted"
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "value"),
+    [
+        ("round_open", "round", "three"),
+        ("round_open", "round", -1),
+        ("round_open", "clients", ["a"]),
+        ("round_open", "clients", 4),
+        ("job_failed", "job_id", 5),
+        ("job_failed", "job_id", "j" * 129),
+        ("job_failed", "msg_id", "m" * 65),
+        ("job_failed", "sent_at", "yesterday"),
+        ("update_accepted", "metrics", {"loss": "low"}),
+        ("update_accepted", "metrics", [0.5]),
+        ("update_accepted", "num_examples", 1.5),
+        ("client_update", "weights", [1, 2]),
+        ("client_update", "weights", {1: torch.ones(1)}),
+        ("job_event", "kind", "exploded"),
+        ("job_submit", "spec", "name: job"),
+        ("round_closed", "test_accuracy", None),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_a_decode_error(kind: str, field: str, value: Any) -> None:
+    message = refusal({**raw_of(SAMPLES[kind]), field: value})
+    assert message.startswith(f"schema: {kind}.{field}")
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", None, [1]])
+def test_a_wrong_schema_version_is_a_decode_error(version: Any) -> None:
+    message = refusal({**raw_of(SAMPLES["job_failed"]), "v": version})
+    assert message == f"unsupported schema version {version!r} (this build reads 1)"
+
+
+def test_a_missing_schema_version_is_a_decode_error() -> None:
+    raw = raw_of(SAMPLES["job_failed"])
+    del raw["v"]
+    assert refusal(raw) == "unsupported schema version None (this build reads 1)"
+
+
+@pytest.mark.parametrize("version", [torch.ones(2), torch.zeros(0)], ids=["two", "empty"])
+def test_a_tensor_as_schema_version_is_a_decode_error(version: torch.Tensor) -> None:
+    refusal({**raw_of(SAMPLES["job_failed"]), "v": version})
+
+
+@pytest.mark.parametrize("top", [[1, 2], "job_failed", None, 3, 1.5, b"bytes", torch.ones(2)])
+def test_a_top_level_that_is_not_a_map_is_a_decode_error(top: Any) -> None:
+    assert refusal(top).startswith("message must be a map, got ")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xc1", b"\x81", b"\x82\xa1v\x01", b"not msgpack at all", b"\xde\xff\xff"],
+    ids=["empty", "never-used", "truncated-map", "truncated-pair", "text", "huge-map"],
+)
+def test_garbage_bytes_are_a_decode_error(data: bytes) -> None:
+    with pytest.raises(DecodeError):
+        from_wire(data)
+
+
+def test_a_truncated_message_is_a_decode_error() -> None:
+    data = to_wire(SAMPLES["client_update"])
+    with pytest.raises(DecodeError):
+        from_wire(data[: len(data) // 2])
+
+
+def test_trailing_bytes_after_a_message_are_a_decode_error() -> None:
+    with pytest.raises(DecodeError):
+        from_wire(to_wire(SAMPLES["job_failed"]) + b"\x00")
+
+
+def test_a_message_over_the_size_limit_is_a_decode_error() -> None:
+    data = to_wire(SAMPLES["client_update"])
+    with pytest.raises(DecodeError, match="exceeds limit"):
+        from_wire(data, max_bytes=len(data) - 1)
+    assert_same_message(from_wire(data, max_bytes=len(data)), SAMPLES["client_update"])
+
+
+def test_input_that_is_not_bytes_is_a_decode_error() -> None:
+    with pytest.raises(DecodeError, match="expected bytes"):
+        from_wire("a string")  # type: ignore[arg-type]
+
+
+# --- expect ----------------------------------------------------------------------------------
+
+
+def test_expect_returns_the_message_when_it_has_the_expected_type() -> None:
+    msg = from_wire(to_wire(SAMPLES["client_failure"]))
+    narrowed = expect(msg, ClientFailure)
+    assert narrowed is msg
+    assert narrowed.code == "oom"
+
+
+def test_expect_accepts_a_base_class() -> None:
+    msg = from_wire(to_wire(SAMPLES["job_failed"]))
+    assert expect(msg, Message) is msg
+
+
+def test_expect_refuses_another_type_with_a_decode_error_naming_it() -> None:
+    msg = from_wire(to_wire(SAMPLES["job_failed"]))
+    with pytest.raises(DecodeError, match="unexpected message type 'job_failed'"):
+        expect(msg, ClientUpdate)
+
+
+# --- fuzzing ---------------------------------------------------------------------------------
+
+ENCODED = [to_wire(m) for m in [*SAMPLES.values(), *EXTRA_SAMPLES.values()]]
+
+mutation = st.tuples(
+    st.sampled_from(["flip", "set", "insert", "delete", "truncate"]),
+    st.integers(0, 2**16),  # position, taken modulo the current length
+    st.integers(0, 255),
+)
+
+
+def mutate(data: bytes, ops: list[tuple[str, int, int]]) -> bytes:
+    buf = bytearray(data)
+    for op, position, value in ops:
+        if not buf:
+            buf.append(value)
+            continue
+        i = position % len(buf)
+        if op == "flip":
+            buf[i] ^= 1 << (value % 8)
+        elif op == "set":
+            buf[i] = value
+        elif op == "insert":
+            buf.insert(i, value)
+        elif op == "delete":
+            del buf[i]
+        else:
+            del buf[i:]
+    return bytes(buf)
+
+
+def decodes_or_refuses(data: bytes) -> None:
+    with contextlib.suppress(DecodeError):
+        from_wire(data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(index=st.integers(0, len(ENCODED) - 1), ops=st.lists(mutation, min_size=1, max_size=4))
+def test_a_mutated_encoding_decodes_or_raises_only_decode_error(
+    index: int, ops: list[tuple[str, int, int]]
+) -> None:
+    decodes_or_refuses(mutate(ENCODED[index], ops))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=64))
+def test_random_bytes_decode_or_raise_only_decode_error(data: bytes) -> None:
+    decodes_or_refuses(data)
