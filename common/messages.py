@@ -155,6 +155,36 @@ class ModelReply(Message):
     error: str | None = None
 
 
+class Heartbeat(Message):
+    """Learner → scheduler, every few seconds: I am alive, here, on this device, busy or idle."""
+
+    type: Literal["heartbeat"] = "heartbeat"
+    job_id: str = ""
+    learner: str = Field(max_length=200)
+    node: str = Field(max_length=200)
+    replica: NonNegativeInt
+    device: str = Field(max_length=32)
+    busy: bool = False
+    pid: int = 0
+    interval_s: float = 5.0
+
+
+class StatusRequest(Message):
+    """CLI → scheduler (request/reply): jobs, one job's rounds, or the learner registry."""
+
+    type: Literal["status_request"] = "status_request"
+    job_id: str = ""
+    what: Literal["jobs", "job", "learners"] = "jobs"
+
+
+class StatusReply(Message):
+    type: Literal["status_reply"] = "status_reply"
+    job_id: str = ""
+    jobs: list[dict[str, Any]] = []
+    learners: list[dict[str, Any]] = []
+    error: str | None = None
+
+
 EventKind = Literal["accepted", "round_started", "round_completed", "completed", "failed", "cancelled"]
 
 
@@ -182,7 +212,10 @@ AnyMessage = Annotated[
     | JobFailed
     | ModelGet
     | ModelReply
-    | JobEvent,
+    | JobEvent
+    | Heartbeat
+    | StatusRequest
+    | StatusReply,
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(AnyMessage)

@@ -15,7 +15,8 @@ from types import TracebackType
 from typing import Any
 
 from common.bus import topology
-from common.bus.memory import MemoryBroker, MemoryBus
+from common.bus.base import Bus
+from common.bus.memory import MemoryBroker
 from common.jobspec import JobSpec
 from common.messages import JobEvent, JobSubmit, to_wire
 from common.settings import Settings
@@ -29,19 +30,22 @@ from services.scheduler.service import SchedulerService
 class EmbeddedCluster:
     """All services of fedmq in this process; use as a context manager."""
 
-    def __init__(self, settings: Settings, learners: int = 1) -> None:
+    def __init__(
+        self, settings: Settings, learners: int = 1, connect: Callable[[str], Bus] | None = None
+    ) -> None:
         self.settings = settings
         self.broker = MemoryBroker()
-        self.scheduler = SchedulerService(settings, self.broker.connect())
-        self.aggregator = AggregatorService(settings, self.broker.connect())
+        self._connect = connect or (lambda name: self.broker.connect())
+        self.scheduler = SchedulerService(settings, self._connect("scheduler"))
+        self.aggregator = AggregatorService(settings, self._connect("aggregator"))
         self.learners = [
-            LearnerService(settings, self.broker.connect(), replica=i) for i in range(learners)
+            LearnerService(settings, self._connect(f"learner-{i}"), replica=i) for i in range(learners)
         ]
         self._threads: list[threading.Thread] = []
 
-    def connect(self) -> MemoryBus:
-        """A bus for a client of the cluster (the CLI, a test)."""
-        return self.broker.connect()
+    def connect(self, name: str = "client") -> Bus:
+        """A bus for a client of the cluster (the CLI, a test), on the same transport."""
+        return self._connect(name)
 
     def __enter__(self) -> EmbeddedCluster:
         import torch
@@ -81,6 +85,7 @@ def run_job(
     settings: Settings,
     *,
     learners: int = 1,
+    connect: Callable[[str], Bus] | None = None,
     job_id: str | None = None,
     on_event: Callable[[JobEvent], None] | None = None,
     idle_timeout: float | None = None,
@@ -90,7 +95,7 @@ def run_job(
     history: list[dict[str, Any]] = []
     final: dict[str, Any] = {"status": "unknown"}
     started = time.perf_counter()
-    with EmbeddedCluster(settings, learners=learners) as cluster:
+    with EmbeddedCluster(settings, learners=learners, connect=connect) as cluster:
         follower = JobFollower(cluster.connect(), job_id).start()
         try:
             submit = JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json"))
