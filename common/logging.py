@@ -39,7 +39,9 @@ def configure_logging(fmt: Format = "auto", level: str = "info", stream=None) ->
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("pika").setLevel(max(logging.WARNING, root.level))
+    # pika logs every failed connect at ERROR with a traceback; fedmq reports those itself
+    # (broker_connection_lost, or one line from the CLI), so only pika's worst gets through.
+    logging.getLogger("pika").setLevel(logging.CRITICAL)
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),

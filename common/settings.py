@@ -35,6 +35,7 @@ class Settings(BaseSettings):
     frame_bytes: int = Field(4 * MiB, ge=64 * 1024, description="largest single broker message")
     max_message_bytes: int = Field(2048 * MiB, gt=0, description="largest reassembled message")
     delivery_limit: int = Field(20, ge=1, description="deliveries of one message before it is dead-lettered")
+    liveness_s: float = Field(5.0, gt=0, description="how often learners report to the scheduler")
     heartbeat_s: int = Field(30, ge=1, description="AMQP heartbeat")
     request_timeout_s: float = Field(120.0, gt=0, description="model fetch and CLI request timeout")
     retry_initial_s: float = Field(0.5, gt=0, description="first reconnect backoff")

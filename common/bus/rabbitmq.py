@@ -17,6 +17,7 @@ crash anywhere leaves either the whole message or nothing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import itertools
@@ -171,10 +172,9 @@ class RabbitBus(Bus):
     def _drop(self) -> None:
         conn, self._conn, self._ch = self._conn, None, None
         if conn is not None and conn.is_open:
-            try:
+            # Closing a broken connection may fail in many ways; it is gone either way.
+            with contextlib.suppress(Exception):
                 conn.close()
-            except Exception:  # closing a broken connection may fail in many ways; it is gone
-                pass
 
     # -- the loop -------------------------------------------------------------
 
@@ -247,10 +247,9 @@ class RabbitBus(Bus):
     def _wake(self) -> None:
         conn = self._conn
         if conn is not None and conn.is_open:
-            try:
+            # Closing under us: the loop notices by itself.
+            with contextlib.suppress(Exception):
                 conn.add_callback_threadsafe(lambda: None)
-            except Exception:  # closing under us: the loop notices by itself
-                pass
 
     def _on_loop(self) -> bool:
         return threading.get_ident() == self._thread
@@ -519,7 +518,7 @@ def declare_topology(ch: BlockingChannel, settings: Settings) -> None:
 
 
 def unreachable_message(settings: Settings, exc: BaseException) -> str:
-    detail = str(exc) or type(exc).__name__
+    detail = str(exc) or "connection refused or timed out"
     return (
         f"cannot reach RabbitMQ at {settings.safe_broker_url} ({detail[:200]}). "
         "Is the broker running (rabbitmq-diagnostics ping), and are FEDMQ_BROKER_URL's "

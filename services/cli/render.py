@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from rich.console import Console
@@ -33,16 +34,23 @@ class RoundProgress:
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
 
+    def start_job(self, name: str, rounds: int, done: Iterable[dict[str, Any]]) -> None:
+        """Begin from what a job has already done (watching a job that is under way)."""
+        self.progress.update(self.task, total=rounds, description=name)
+        for record in done:
+            self._show(record["round"], record)
+
+    def _show(self, server_round: int, data: dict[str, Any]) -> None:
+        self.progress.update(
+            self.task, completed=server_round,
+            acc=f"{data['test_accuracy']:.4f}", loss=f"{data['test_loss']:.4f}",
+        )
+
     def update(self, event: JobEvent) -> None:
         if event.kind == "accepted":
             self.progress.update(self.task, total=event.rounds, description=event.data.get("name", "rounds"))
-        elif event.kind == "round_completed":
-            self.progress.update(
-                self.task,
-                completed=event.round,
-                acc=f"{event.data['test_accuracy']:.4f}",
-                loss=f"{event.data['test_loss']:.4f}",
-            )
+        elif event.kind == "round_completed" and event.round is not None:
+            self._show(event.round, event.data)
 
 
 def print_summary(console: Console, result: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ returned to the queue.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -27,6 +28,7 @@ from common.jobspec import JobSpec, canonical_json, parse_job
 from common.messages import (
     ClientFailure,
     ClientUpdate,
+    Heartbeat,
     ModelGet,
     ModelReply,
     TrainTask,
@@ -60,11 +62,14 @@ class JobContext:
 
 
 class LearnerService:
-    def __init__(self, settings: Settings, bus: Bus, replica: int = 0) -> None:
+    def __init__(self, settings: Settings, bus: Bus, replica: int | None = None) -> None:
         self.settings = settings
         self.bus = bus
-        self.replica = settings.replica if settings.replica is not None else replica
-        self.name = f"{settings.node or socket.gethostname()}/{self.replica}"
+        given = settings.replica if settings.replica is not None else replica
+        self.replica = given if given is not None else 0
+        self.node = settings.node or socket.gethostname()
+        # Without a replica index (compose has none) the pid keeps names on one host apart.
+        self.name = f"{self.node}/{given}" if given is not None else f"{self.node}/pid{os.getpid()}"
         self.device = torch.device("cpu")
         self._worker: ThreadPoolExecutor | None = None
         self._contexts: OrderedDict[str, JobContext] = OrderedDict()
@@ -77,7 +82,19 @@ class LearnerService:
         self.device = resolve_device(self.settings.device, self.replica)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"train-{self.replica}")
         self.bus.consume(topology.TASKS, self.on_task, prefetch=1)
+        self.bus.call_soon(self._heartbeat)
         log.info("learner_started", learner=self.name, device=str(self.device))
+
+    def _heartbeat(self) -> None:
+        """Tell the scheduler we are alive, and whether busy; re-armed on the bus thread."""
+        beat = Heartbeat(
+            learner=self.name, node=self.node, replica=self.replica, device=str(self.device),
+            busy=self._current is not None, pid=os.getpid(), interval_s=self.settings.liveness_s,
+        )
+        try:
+            self.bus.publish(topology.SCHEDULER, to_wire(beat))
+        finally:
+            self.bus.call_later(self.settings.liveness_s, self._heartbeat)
 
     def shutdown(self) -> None:
         """Return an unfinished task to the queue; the training thread is abandoned."""
@@ -115,7 +132,13 @@ class LearnerService:
                 if self._current is not delivery:
                     return  # shut down meanwhile: the task went back to the queue
                 self._current = None
-            self.bus.publish(reply[0], reply[1])
+            try:
+                self.bus.publish(reply[0], reply[1])
+            except Exception as exc:
+                # Not confirmed, so not acked: the broker hands the task out again.
+                log.warning("publish_failed", error=str(exc)[:300])
+                delivery.requeue()
+                return
             delivery.ack()
 
     def _train(self, task: TrainTask) -> tuple[str, bytes]:

@@ -21,6 +21,7 @@ from common.jobspec import JobSpec, parse_job
 from common.messages import (
     ClientFailure,
     EventKind,
+    Heartbeat,
     JobCancel,
     JobCreate,
     JobEvent,
@@ -30,12 +31,15 @@ from common.messages import (
     RoundClose,
     RoundClosed,
     RoundOpen,
+    StatusReply,
+    StatusRequest,
     TrainTask,
     UpdateAccepted,
     from_wire,
     to_wire,
 )
 from common.settings import Settings
+from services.scheduler.registry import Registry
 from services.scheduler.rounds import Decision, RoundState
 from services.scheduler.sampling import sample_clients
 
@@ -63,13 +67,24 @@ class SchedulerService:
         self.settings = settings
         self.bus = bus
         self.jobs: dict[str, SchedJob] = {}
+        self.registry = Registry(master_node=settings.master_node)
 
     def start(self) -> None:
         self.bus.consume(topology.SCHEDULER, self.on_message, prefetch=8)
+        self.bus.call_later(1.0, self._sweep)
+
+    def _sweep(self) -> None:
+        for name in self.registry.sweep(time.monotonic()):
+            log.warning("learner_lost", learner=name, alive=self.registry.alive_count)
+        self.bus.call_later(1.0, self._sweep)
 
     def on_message(self, delivery: Delivery) -> None:
         try:
             msg = from_wire(delivery.body, max_bytes=self.settings.frame_bytes)
+            if isinstance(msg, Heartbeat | StatusRequest):
+                self._answer(msg, delivery)
+                delivery.ack()
+                return
             with structlog.contextvars.bound_contextvars(job=msg.job_id, round=getattr(msg, "round", None)):
                 self._handle(msg)
         except (DecodeError, ValidationError) as exc:
@@ -77,6 +92,52 @@ class SchedulerService:
             delivery.reject(str(exc))
             return
         delivery.ack()
+
+    def _answer(self, msg: Heartbeat | StatusRequest, delivery: Delivery) -> None:
+        now = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            if self.registry.heartbeat(msg, now):
+                log.info("learner_joined", learner=msg.learner, device=msg.device,
+                         alive=self.registry.alive_count)
+            return
+        self.registry.sweep(now)
+        reply = StatusReply(job_id=msg.job_id)
+        if msg.what == "learners":
+            reply = reply.model_copy(
+                update={"learners": [i.as_dict(now) for i in self.registry.snapshot(now)]}
+            )
+        elif msg.what == "job":
+            job = self.jobs.get(msg.job_id)
+            if job is None:
+                reply = reply.model_copy(update={"error": f"no job {msg.job_id!r}"})
+            else:
+                reply = reply.model_copy(update={"jobs": [self._job_summary(job, history=True)]})
+        else:
+            reply = reply.model_copy(
+                update={"jobs": [self._job_summary(j, history=False) for j in self.jobs.values()]}
+            )
+        self.bus.reply(delivery, to_wire(reply))
+
+    def _job_summary(self, job: SchedJob, history: bool) -> dict[str, Any]:
+        last = job.history[-1] if job.history else {}
+        summary: dict[str, Any] = {
+            "job_id": job.job_id,
+            "name": job.spec.name,
+            "status": job.status,
+            "round": job.round,
+            "rounds": job.spec.rounds,
+            "test_accuracy": last.get("test_accuracy"),
+            "test_loss": last.get("test_loss"),
+            "reason": job.reason,
+            "model_path": last.get("model_path"),
+        }
+        if job.state is not None and job.status == RUNNING:
+            summary["reported"] = len(job.state.reported)
+            summary["sampled"] = len(job.state.clients)
+            summary["failed_clients"] = len(job.state.failed)
+        if history:
+            summary["history"] = job.history
+        return summary
 
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, JobSubmit):

@@ -1,0 +1,14 @@
+"""Wiring of the aggregator process: settings in, bus and service built, served until a signal."""
+
+from __future__ import annotations
+
+from common.bus.rabbitmq import RabbitBus
+from common.lifecycle import limit_torch_threads, serve
+from common.settings import Settings
+from services.aggregator.service import AggregatorService
+
+
+def main(settings: Settings) -> None:
+    limit_torch_threads(settings.torch_threads)
+    bus = RabbitBus(settings, name="aggregator")
+    serve(AggregatorService(settings, bus), bus, "aggregator")

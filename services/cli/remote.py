@@ -1,0 +1,72 @@
+"""The CLI's side of a running cluster: one RabbitMQ connection, requests and events."""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+from typing import Any, Literal
+
+from common.bus import topology
+from common.bus.rabbitmq import RabbitBus
+from common.errors import DecodeError, FedmqError
+from common.messages import Message, StatusReply, StatusRequest, expect, from_wire, to_wire
+from common.settings import Settings
+from services.cli.follow import JobFollower
+
+STATUS_TIMEOUT_S = 10.0
+
+
+class SchedulerSilent(FedmqError):
+    """The broker is up but no scheduler answered."""
+
+
+class Remote:
+    """A connected CLI client; use as a context manager. BrokerUnavailable if unreachable."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.bus = RabbitBus(settings, name="fedmq-cli")
+        self._thread = threading.Thread(target=self.bus.run, name="cli-bus", daemon=True)
+
+    def __enter__(self) -> Remote:
+        self.bus.connect()
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.bus.stop()
+        self._thread.join(timeout=5)
+
+    def send(self, msg: Message) -> None:
+        """Publish to the scheduler; returns once the broker confirmed it."""
+        self.bus.publish(topology.SCHEDULER, to_wire(msg))
+
+    def status(self, what: Literal["jobs", "job", "learners"] = "jobs", job_id: str = "") -> StatusReply:
+        request = StatusRequest(job_id=job_id, what=what)
+        try:
+            body = self.bus.request(topology.SCHEDULER, to_wire(request), timeout=STATUS_TIMEOUT_S)
+        except TimeoutError:
+            raise SchedulerSilent(
+                f"no scheduler answered within {STATUS_TIMEOUT_S:.0f}s on {self.settings.safe_broker_url}; "
+                "is `fedmq scheduler` running against this broker and vhost?"
+            ) from None
+        try:
+            return expect(from_wire(body), StatusReply)
+        except DecodeError as exc:
+            raise SchedulerSilent(f"unreadable answer from the scheduler: {exc}") from None
+
+    def follow(self, job_id: str) -> JobFollower:
+        """Events of one job, subscribed on this connection (started before anything is asked)."""
+        follower = JobFollower(self.bus, job_id)
+        self.bus.subscribe(topology.job_topic(job_id), follower._on_event)
+        return follower
+
+
+def job_row(job: dict[str, Any]) -> list[str]:
+    acc = job.get("test_accuracy")
+    return [
+        job["job_id"], job["status"], f"{job['round']}/{job['rounds']}",
+        "-" if acc is None else f"{acc:.4f}", (job.get("reason") or "")[:60],
+    ]

@@ -1,0 +1,16 @@
+"""Wiring of a learner process: settings in, bus and service built, served until a signal."""
+
+from __future__ import annotations
+
+from common.bus.rabbitmq import RabbitBus
+from common.lifecycle import limit_torch_threads, serve
+from common.settings import Settings
+from services.learner.service import LearnerService
+
+
+def main(settings: Settings) -> None:
+    limit_torch_threads(settings.torch_threads)
+    bus = RabbitBus(settings, name="learner")
+    service = LearnerService(settings, bus)
+    # SIGTERM: an unfinished task goes back to the queue for another learner.
+    serve(service, bus, "learner", on_stop=service.shutdown)

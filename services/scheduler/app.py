@@ -1,0 +1,13 @@
+"""Wiring of the scheduler process: settings in, bus and service built, served until a signal."""
+
+from __future__ import annotations
+
+from common.bus.rabbitmq import RabbitBus
+from common.lifecycle import serve
+from common.settings import Settings
+from services.scheduler.service import SchedulerService
+
+
+def main(settings: Settings) -> None:
+    bus = RabbitBus(settings, name="scheduler")
+    serve(SchedulerService(settings, bus), bus, "scheduler")
