@@ -34,6 +34,16 @@ def small_job(**changes: Any) -> JobSpec:
     return parse_job(raw)
 
 
+def assert_bit_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Same names, dtypes, shapes and bytes: equality that NaN or -0.0 cannot fool."""
+    import torch
+
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)), name
+
+
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     return Settings(state_dir=tmp_path / "state", log_format="json", log_level="warning")

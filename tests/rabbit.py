@@ -22,7 +22,8 @@ def _unavailable() -> str | None:
         with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), timeout=2):
             pass
     except OSError as exc:
-        return f"no RabbitMQ at {parts.hostname}:{parts.port or 5672} ({exc}); start it with `rabbitmq-server -detached`"
+        where = f"{parts.hostname}:{parts.port or 5672}"
+        return f"no RabbitMQ at {where} ({exc}); start it with `rabbitmq-server -detached`"
     if shutil.which("rabbitmqctl") is None:
         return "rabbitmqctl is not on PATH: it is needed to give each test its own vhost"
     return None

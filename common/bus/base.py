@@ -94,6 +94,10 @@ class Bus(ABC):
     def run(self) -> None:
         """Dispatch until `stop()`; call from the thread that owns the bus."""
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until consumers and subscriptions made so far are live (after `run()` starts)."""
+        return True
+
     @abstractmethod
     def stop(self) -> None:
         """Make `run()` return; unacked deliveries go back to their queues. Thread-safe."""

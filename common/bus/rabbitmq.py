@@ -126,6 +126,8 @@ class RabbitBus(Bus):
         self._thread: int | None = None
         self._running = False
         self._stopped = threading.Event()
+        self._ready = threading.Event()  # connected, consumers and subscriptions live
+        self._lock = threading.Lock()  # orders registrations against (re)subscription
         self.reconnects = 0
 
     # -- connection -----------------------------------------------------------
@@ -149,10 +151,15 @@ class RabbitBus(Bus):
         self._reply_queue = result.method.queue
         ch.basic_qos(prefetch_count=4)
         ch.basic_consume(self._reply_queue, self._on_reply, auto_ack=False)
-        for consumer in self._consumers:
-            self._start_consumer(consumer)
-        for pattern, handler in self._subscriptions:
-            self._start_subscription(pattern, handler)
+        with self._lock:
+            for consumer in self._consumers:
+                self._start_consumer(consumer)
+            for pattern, handler in self._subscriptions:
+                self._start_subscription(pattern, handler)
+            self._ready.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
 
     def _start_consumer(self, consumer: _Consumer) -> None:
         assert self._ch is not None
@@ -170,6 +177,7 @@ class RabbitBus(Bus):
         self._ch.basic_consume(name, lambda ch, m, p, body: handler(body), auto_ack=True)
 
     def _drop(self) -> None:
+        self._ready.clear()
         conn, self._conn, self._ch = self._conn, None, None
         if conn is not None and conn.is_open:
             # Closing a broken connection may fail in many ways; it is gone either way.
@@ -295,14 +303,32 @@ class RabbitBus(Bus):
 
     def consume(self, queue: str, handler: Handler, *, prefetch: int = 1) -> None:
         consumer = _Consumer(queue, handler, prefetch)
-        self._consumers.append(consumer)
-        if self._running and self._ch is not None:
-            self._run_on_loop(lambda: self._start_consumer(consumer))
+        self._register(lambda: self._consumers.append(consumer), lambda: self._start_consumer(consumer))
 
     def subscribe(self, pattern: str, handler: EventHandler) -> None:
-        self._subscriptions.append((pattern, handler))
-        if self._running and self._ch is not None:
-            self._run_on_loop(lambda: self._start_subscription(pattern, handler))
+        self._register(
+            lambda: self._subscriptions.append((pattern, handler)),
+            lambda: self._start_subscription(pattern, handler),
+        )
+
+    def _register(self, remember: Callable[[], None], start: Callable[[], None]) -> None:
+        """Before the bus is ready, remember it for (re)connects; once ready, also start it now."""
+        def both() -> None:
+            with self._lock:
+                remember()
+                start()
+
+        if self._on_loop():
+            if self._ready.is_set():
+                both()
+            else:
+                remember()
+            return
+        with self._lock:
+            if not self._ready.is_set():
+                remember()
+                return
+        self._run_on_loop(both)
 
     def _on_message(self, consumer: _Consumer, method: Any, props: Any, body: bytes) -> None:
         headers = dict(props.headers or {})

@@ -109,7 +109,13 @@ def run_job(
                     final = {"status": event.kind, **event.data}
         finally:
             follower.close()
+        counters = {
+            "model_fetches": [learner.fetches for learner in cluster.learners],
+            "tasks_redelivered": sum(learner.redelivered for learner in cluster.learners),
+            "reconnects": sum(getattr(s.bus, "reconnects", 0) for _, s in cluster._services()),
+        }
     return {
+        **counters,
         "job_id": job_id,
         "name": spec.name,
         "wall_seconds": time.perf_counter() - started,

@@ -31,6 +31,7 @@ class Remote:
     def __enter__(self) -> Remote:
         self.bus.connect()
         self._thread.start()
+        self.bus.wait_ready(self.settings.request_timeout_s)
         return self
 
     def __exit__(

@@ -76,7 +76,8 @@ class LearnerService:
         self._models: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._current: Delivery | None = None
         self._lock = threading.Lock()
-        self.fetches = 0
+        self.fetches = 0  # global models fetched over the bus (the rest came from the cache)
+        self.redelivered = 0  # tasks that reached this learner marked as redelivered
 
     def start(self) -> None:
         self.device = resolve_device(self.settings.device, self.replica)
@@ -113,6 +114,9 @@ class LearnerService:
             delivery.reject(f"decode: {exc}")
             return
         assert self._worker is not None
+        if delivery.redelivered:
+            self.redelivered += 1
+            log.info("task_redelivered", job=task.job_id, round=task.round, client=task.client)
         with self._lock:
             self._current = delivery
         self._worker.submit(self._run, task, delivery)

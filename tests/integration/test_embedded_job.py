@@ -11,20 +11,13 @@ from common.workloads.datasets import load_dataset
 from common.workloads.partition import partition
 from services.aggregator.evaluation import evaluate
 from services.cli.embedded import run_job
-from tests.conftest import small_job
+from tests.conftest import assert_bit_identical, small_job
 from tests.integration import faulty_plugin
 from tests.reference import reference_fedavg
 
 
 def final_weights(result: dict) -> dict[str, torch.Tensor]:
     return load_state(result["model_path"])[0]
-
-
-def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert a[name].dtype == b[name].dtype
-        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
 
 
 def test_a_short_job_improves_accuracy_over_its_initial_model(settings: Settings) -> None:

@@ -1,0 +1,151 @@
+"""The Bus contract, checked the same way on the in-memory bus and on RabbitMQ."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from common.bus.base import Bus, Delivery
+from tests.integration.conftest import Transport
+
+WAIT = 20.0
+
+
+@contextmanager
+def running(transport: Transport, name: str) -> Iterator[Bus]:
+    bus = transport.connect(name)
+    thread = threading.Thread(target=bus.run, name=name, daemon=True)
+    thread.start()
+    assert bus.wait_ready(WAIT)
+    try:
+        yield bus
+    finally:
+        bus.stop()
+        thread.join(WAIT)
+
+
+def collector(into: queue.Queue[Delivery], ack: bool = True):  # type: ignore[no-untyped-def]
+    def handle(delivery: Delivery) -> None:
+        into.put(delivery)
+        if ack:
+            delivery.ack()
+
+    return handle
+
+
+def test_a_published_message_reaches_a_consumer_once(transport: Transport) -> None:
+    got: queue.Queue[Delivery] = queue.Queue()
+    with running(transport, "consumer") as consumer, running(transport, "producer") as producer:
+        consumer.consume("fedmq.tasks", collector(got))
+        producer.publish("fedmq.tasks", b"hello", headers={"k": "v"})
+        delivery = got.get(timeout=WAIT)
+        assert delivery.body == b"hello"
+        assert delivery.headers.get("k") == "v"
+        assert not delivery.redelivered
+        producer.publish("fedmq.tasks", b"second")
+        assert got.get(timeout=WAIT).body == b"second"
+    assert got.empty()
+
+
+def test_a_rejected_message_is_dead_lettered_with_its_reason(transport: Transport) -> None:
+    rejected = threading.Event()
+
+    def reject(delivery: Delivery) -> None:
+        delivery.reject("wrong_shape: layer.0")
+        rejected.set()
+
+    with running(transport, "consumer") as consumer:
+        consumer.consume("fedmq.aggregator", reject)
+        consumer.publish("fedmq.aggregator", b"bad update")
+        assert rejected.wait(WAIT)
+    assert ("wrong_shape: layer.0", b"bad update") in transport.dead()
+
+
+def test_a_handler_that_raises_is_dead_lettered_and_the_consumer_goes_on(transport: Transport) -> None:
+    got: queue.Queue[Delivery] = queue.Queue()
+
+    def handle(delivery: Delivery) -> None:
+        if delivery.body == b"boom":
+            raise ValueError("bug")
+        got.put(delivery)
+        delivery.ack()
+
+    with running(transport, "consumer") as consumer:
+        consumer.consume("fedmq.scheduler", handle)
+        consumer.publish("fedmq.scheduler", b"boom")
+        consumer.publish("fedmq.scheduler", b"fine")
+        assert got.get(timeout=WAIT).body == b"fine"
+    assert [r for r, b in transport.dead() if b == b"boom"] == ["handler_error: ValueError"]
+
+
+def test_an_unacked_message_is_redelivered_when_its_consumer_goes_away(transport: Transport) -> None:
+    first: queue.Queue[Delivery] = queue.Queue()
+    with running(transport, "producer") as producer:
+        with running(transport, "dies") as dies:
+            dies.consume("fedmq.tasks", collector(first, ack=False))
+            producer.publish("fedmq.tasks", b"task")
+            assert first.get(timeout=WAIT).body == b"task"
+        second: queue.Queue[Delivery] = queue.Queue()
+        with running(transport, "survivor") as survivor:
+            survivor.consume("fedmq.tasks", collector(second))
+            again = second.get(timeout=WAIT)
+    assert again.body == b"task"
+    assert again.redelivered
+
+
+def test_ack_from_a_worker_thread_is_honoured(transport: Transport) -> None:
+    got: queue.Queue[Delivery] = queue.Queue()
+    with running(transport, "consumer") as consumer:
+        def handle(delivery: Delivery) -> None:
+            threading.Thread(target=lambda: (got.put(delivery), delivery.ack())).start()
+
+        consumer.consume("fedmq.tasks", handle, prefetch=1)
+        for body in (b"1", b"2", b"3"):
+            consumer.publish("fedmq.tasks", body)
+        assert [got.get(timeout=WAIT).body for _ in range(3)] == [b"1", b"2", b"3"]
+
+
+def test_request_and_reply_carry_a_message_larger_than_the_frame(transport: Transport) -> None:
+    big = os.urandom(transport.settings.frame_bytes * 3 + 17)
+
+    def answer(delivery: Delivery) -> None:
+        server.reply(delivery, delivery.body[::-1] + big)
+        delivery.ack()
+
+    with running(transport, "server") as server, running(transport, "client") as client:
+        server.consume("fedmq.model", answer)
+        reply = client.request("fedmq.model", big, timeout=WAIT)
+    assert reply == big[::-1] + big
+
+
+def test_a_large_message_crosses_in_one_piece(transport: Transport) -> None:
+    big = os.urandom(transport.settings.frame_bytes * 5 + 1)
+    got: queue.Queue[Delivery] = queue.Queue()
+    with running(transport, "consumer") as consumer, running(transport, "producer") as producer:
+        consumer.consume("fedmq.aggregator", collector(got))
+        producer.publish("fedmq.aggregator", big)
+        assert bytes(got.get(timeout=WAIT).body) == big
+
+
+def test_events_reach_every_matching_subscriber(transport: Transport) -> None:
+    seen: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    with running(transport, "a") as a, running(transport, "b") as b:
+        a.subscribe("job.*", lambda body: seen.put(("a", body)))
+        b.subscribe("job.one", lambda body: seen.put(("b", body)))
+        a.publish_event("job.one", b"e1")
+        a.publish_event("job.two", b"e2")
+        got = sorted(seen.get(timeout=WAIT) for _ in range(3))
+    assert got == [("a", b"e1"), ("a", b"e2"), ("b", b"e1")]
+
+
+def test_timers_run_on_the_bus_thread(transport: Transport) -> None:
+    ran: queue.Queue[str] = queue.Queue()
+    with running(transport, "timers") as bus:
+        bus.call_later(0.05, lambda: ran.put(threading.current_thread().name))
+        cancelled = bus.call_later(0.05, lambda: ran.put("cancelled"))
+        cancelled.cancel()
+        assert ran.get(timeout=WAIT) == "timers"
+    assert ran.empty()

@@ -1,0 +1,62 @@
+"""Whole jobs through the services on the in-memory bus and on RabbitMQ: same scenarios, same answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.bus.rabbitmq import RabbitBus
+from common.checkpoint import load_state
+from common.settings import Settings
+from common.workloads.datasets import load_dataset
+from common.workloads.partition import partition
+from services.cli.embedded import run_job
+from tests.conftest import assert_bit_identical, small_job
+from tests.integration import faulty_plugin, slow_plugin
+from tests.integration.conftest import Transport
+from tests.rabbit import fresh_vhost
+from tests.reference import reference_fedavg
+
+
+@pytest.mark.parametrize("learners", [1, 3])
+def test_a_job_gives_the_reference_weights_on_either_bus(transport: Transport, learners: int) -> None:
+    spec = small_job(clients__total=9, clients__per_round=6, rounds=3)
+    result = run_job(spec, transport.settings, learners=learners, connect=transport.connect,
+                     idle_timeout=60)
+    assert result["status"] == "completed"
+    assert_bit_identical(load_state(result["model_path"])[0], reference_fedavg(spec)["weights"])
+
+
+def test_global_weights_cross_the_bus_once_per_learner_per_round(transport: Transport) -> None:
+    spec = small_job(clients__total=12, rounds=3)
+    result = run_job(spec, transport.settings, learners=3, connect=transport.connect, idle_timeout=60)
+    assert result["status"] == "completed"
+    fetches = result["model_fetches"]
+    assert all(f <= spec.rounds for f in fetches), fetches
+    assert sum(fetches) >= spec.rounds
+
+
+def test_a_failing_client_is_reported_and_the_round_closes_at_quorum(transport: Transport) -> None:
+    spec = small_job(clients__min_fit=4, rounds=2, train__entrypoint="tests.integration.faulty_plugin:train")
+    data = load_dataset(spec.data, spec.seed)
+    faulty_plugin.FAIL_SIZE[0] = len(partition(data.y_train, 5, spec.data.partition, spec.seed)[0])
+    try:
+        result = run_job(spec, transport.settings, connect=transport.connect, idle_timeout=60)
+    finally:
+        faulty_plugin.FAIL_SIZE[0] = -1
+    assert result["status"] == "completed"
+    assert [(h["clients"], h["failed"]) for h in result["history"][1:]] == [(4, 1), (4, 1)]
+
+
+def test_training_longer_than_three_heartbeats_keeps_the_connection(tmp_path) -> None:
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, heartbeat_s=1)
+        spec = small_job(clients__total=2, rounds=1, train__entrypoint="tests.integration.slow_plugin:train")
+        slow_plugin.SECONDS[0] = 4.0  # > 3 heartbeat intervals of 1 s, per task
+        try:
+            result = run_job(spec, settings, connect=lambda name: RabbitBus(settings, name),
+                             idle_timeout=60)
+        finally:
+            slow_plugin.SECONDS[0] = 0.0
+    assert result["status"] == "completed"
+    assert result["reconnects"] == 0
+    assert result["tasks_redelivered"] == 0
