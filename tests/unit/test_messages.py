@@ -21,6 +21,7 @@ from common.messages import (
     AnyMessage,
     ClientFailure,
     ClientUpdate,
+    Heartbeat,
     JobCancel,
     JobCreate,
     JobEvent,
@@ -32,6 +33,8 @@ from common.messages import (
     RoundClose,
     RoundClosed,
     RoundOpen,
+    StatusReply,
+    StatusRequest,
     TrainTask,
     UpdateAccepted,
     expect,
@@ -96,6 +99,9 @@ SAMPLES: dict[str, Message] = {
     "model_get": ModelGet(job_id="j1", digest="ab" * 32),
     "model_reply": ModelReply(job_id="j1", digest="ab" * 32, weights=weights()),
     "job_event": JobEvent(job_id="j1", kind="round_completed", round=3, rounds=10, data={"accuracy": 0.9}),
+    "heartbeat": Heartbeat(learner="gn6/1", node="gn6", replica=1, device="cuda:1", busy=True, pid=42),
+    "status_request": StatusRequest(what="learners"),
+    "status_reply": StatusReply(jobs=[{"job_id": "j1", "status": "running"}], learners=[{"rank": 0}]),
 }
 EXTRA_SAMPLES: dict[str, Message] = {
     "model_reply_error": ModelReply(job_id="j1", digest="ff", error="unknown digest"),

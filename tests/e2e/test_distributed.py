@@ -1,0 +1,64 @@
+"""fedmq as separate processes over RabbitMQ, driven by the CLI like a user would."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common.checkpoint import load_state
+from common.jobspec import load_job
+from common.settings import Settings
+from services.cli.embedded import run_job
+from tests.conftest import REPO, assert_bit_identical
+from tests.e2e.cluster import cluster
+
+
+def test_processes_train_the_example_to_exactly_the_embedded_weights(tmp_path: Path) -> None:
+    with cluster(tmp_path, learners=3) as c:
+        rows = c.wait_learners(3)
+        assert sorted(r["rank"] for r in rows) == [0, 1, 2]
+        assert all(r["device"] == "cpu" for r in rows)
+
+        submitted = c.fedmq("submit", "examples/digits.yaml")
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.strip()
+
+        watched = c.fedmq("watch", job_id, "--json")
+        assert watched.returncode == 0, watched.stderr + c.log("aggregator")[-3000:]
+        result = json.loads(watched.stdout)
+        assert result["status"] == "completed"
+        assert len(result["history"]) == 31
+        assert result["final_accuracy"] >= 0.92
+
+        status = c.fedmq("status", "--json")
+        assert [j["status"] for j in json.loads(status.stdout) if j["job_id"] == job_id] == ["completed"]
+        assert c.stop_all() == {name: 0 for name in c.procs}, "SIGTERM must stop every service cleanly"
+
+    distributed = load_state(result["model_path"])[0]
+    embedded = run_job(load_job(REPO / "examples" / "digits.yaml"), Settings(state_dir=tmp_path / "embedded"))
+    assert embedded["final_accuracy"] == result["final_accuracy"]
+    assert_bit_identical(distributed, load_state(embedded["model_path"])[0])
+
+
+def test_watch_of_a_failing_job_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
+    spec = tmp_path / "bad-plugin.yaml"
+    spec.write_text(
+        (REPO / "examples" / "digits.yaml").read_text().replace("rounds: 30", "rounds: 2")
+        .replace("optimizer: sgd", "optimizer: sgd, entrypoint: 'no_such_pkg.mod:train'")
+    )
+    with cluster(tmp_path, learners=1, FEDMQ_LIVENESS_S="1") as c:
+        c.wait_learners(1)
+        submitted = c.fedmq("submit", str(spec), "--watch")
+    assert submitted.returncode == 1
+    assert "quorum" in submitted.stderr and "no_such_pkg" in submitted.stderr
+
+
+def test_an_unreachable_broker_is_one_clear_line(tmp_path: Path) -> None:
+    from tests.e2e.cluster import Cluster
+
+    c = Cluster("amqp://someone:hunter2@127.0.0.1:1/", tmp_path)
+    for args in (["submit", "examples/digits.yaml"], ["status"], ["learners"], ["watch", "x"]):
+        proc = c.fedmq(*args, timeout=60)
+        assert proc.returncode == 3, args
+        assert "cannot reach RabbitMQ at amqp://someone:***@127.0.0.1:1/" in proc.stderr
+        assert "hunter2" not in proc.stderr and "Traceback" not in proc.stderr
