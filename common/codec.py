@@ -191,10 +191,11 @@ def index_tensors(
         before = os.fstat(file.fileno())
         if before.st_size > max_bytes:
             raise DecodeError(f"file of {before.st_size} bytes exceeds limit of {max_bytes}")
-        entries = _MapScanner(file, before.st_size).tensors(key)
+        scanner = _MapScanner(file, before.st_size)
+        entries = scanner.tensors(key)
         if _identity(os.fstat(file.fileno())) != _identity(before):
             raise DecodeError(f"{os.fspath(path)!r} changed while it was indexed")
-    return TensorFile(path, entries, _identity(before))
+    return TensorFile(path, entries, _identity(before), scanner.fields)
 
 
 class TensorFile(Mapping[str, "torch.Tensor"]):
@@ -212,8 +213,13 @@ class TensorFile(Mapping[str, "torch.Tensor"]):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], entries: dict[str, _Entry], identity: tuple[int, ...]
+        self,
+        path: str | os.PathLike[str],
+        entries: dict[str, _Entry],
+        identity: tuple[int, ...],
+        fields: dict[str | int, Any] | None = None,
     ) -> None:
+        self.fields = fields or {}  # the file's other top-level values, decoded
         self._path = os.fspath(path)
         self._entries = entries
         self._identity = identity
@@ -336,6 +342,7 @@ class _MapScanner:
     def tensors(self, key: str) -> dict[str, _Entry]:
         """Index the map under key, checking the whole top-level map and that nothing follows it."""
         found: dict[str, _Entry] | None = None
+        self.fields: dict[str | int, Any] = {}
         seen: set[str | int] = set()
         base, unpacker = 0, self._unpacker(0)
         try:
@@ -349,8 +356,11 @@ class _MapScanner:
                 if name == key:
                     found, base = self._tensor_map(base + unpacker.tell(), key)
                     unpacker = self._unpacker(base)
-                elif type(unpacker.unpack()) is msgpack.Timestamp:
-                    raise DecodeError("msgpack timestamp ext is not a fedmq type")
+                else:
+                    value = unpacker.unpack()
+                    if type(value) is msgpack.Timestamp:
+                        raise DecodeError("msgpack timestamp ext is not a fedmq type")
+                    self.fields[name] = value
             end = base + unpacker.tell()
         except DecodeError:
             raise

@@ -6,6 +6,7 @@ imported here: tensors ride in `weights` as opaque values the codec handles.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from typing import Annotated, Any, Literal, TypeVar
@@ -232,7 +233,10 @@ def to_wire(msg: Message) -> bytes:
 
 def from_wire(data: bytes | memoryview, *, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> Message:
     """Decode and schema-check a message; anything wrong raises DecodeError."""
-    raw = codec.unpackb(data, max_bytes=max_bytes)
+    return _validated(codec.unpackb(data, max_bytes=max_bytes))
+
+
+def _validated(raw: Any) -> Message:
     if not isinstance(raw, dict):
         raise DecodeError(f"message must be a map, got {type(raw).__name__}")
     version = raw.get("v")
@@ -244,6 +248,27 @@ def from_wire(data: bytes | memoryview, *, max_bytes: int = codec.DEFAULT_MAX_BY
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise DecodeError(f"schema: {where}: {first['msg']}") from None
+
+
+SMALL_FILE = 64 * 1024 * 1024
+
+
+def from_wire_file(path: str | os.PathLike[str], *, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> Message:
+    """Decode a message kept in a file; a large one's tensors stay on disk until read.
+
+    Over SMALL_FILE bytes the message must carry `weights`, which come back as a
+    lazy `codec.TensorFile`: each tensor is read when it is looked up, so a
+    200 MB update is checked and folded one tensor at a time.
+    """
+    size = os.stat(path).st_size
+    if size > max_bytes:
+        raise DecodeError(f"message of {size} bytes exceeds limit of {max_bytes}")
+    if size <= SMALL_FILE:
+        with open(path, "rb") as f:
+            return from_wire(f.read(), max_bytes=max_bytes)
+    tensors = codec.index_tensors(path, "weights", max_bytes=max_bytes)
+    msg = _validated({**tensors.fields, "weights": {}})
+    return msg.model_copy(update={"weights": tensors})
 
 
 def expect(msg: Message, kind: type[M]) -> M:

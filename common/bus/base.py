@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -24,6 +25,9 @@ class Delivery(ABC):
     reply_to: str | None = None
     correlation_id: str | None = None
     headers: dict[str, Any] = field(default_factory=dict)
+    # A large message received into a file (consume(..., spool=DIR)): `body` is then empty.
+    # The handler may move the file away; whatever is left is removed once the message is settled.
+    body_path: Path | None = None
 
     @abstractmethod
     def ack(self) -> None:
@@ -67,8 +71,12 @@ class Bus(ABC):
         """Fan out to every subscriber whose pattern matches `topic` (best effort)."""
 
     @abstractmethod
-    def consume(self, queue: str, handler: Handler, *, prefetch: int = 1) -> None:
-        """Deliver the queue's messages to `handler`, at most `prefetch` unacked at a time."""
+    def consume(self, queue: str, handler: Handler, *, prefetch: int = 1, spool: Path | None = None) -> None:
+        """Deliver the queue's messages to `handler`, at most `prefetch` unacked at a time.
+
+        With `spool`, a message too large for one frame is received into a file in
+        that directory (Delivery.body_path) instead of memory.
+        """
 
     @abstractmethod
     def subscribe(self, pattern: str, handler: EventHandler) -> None:

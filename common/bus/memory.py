@@ -18,6 +18,7 @@ import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -229,7 +230,8 @@ class MemoryBus(Bus):
     def publish_event(self, topic: str, body: bytes) -> None:
         self.broker._publish_event(topic, body)
 
-    def consume(self, queue: str, handler: Handler, *, prefetch: int = 1) -> None:
+    def consume(self, queue: str, handler: Handler, *, prefetch: int = 1, spool: Path | None = None) -> None:
+        # In memory nothing is framed, so nothing needs spooling.
         self.broker._add_consumer(queue, _Consumer(self, handler, prefetch))
 
     def subscribe(self, pattern: str, handler: EventHandler) -> None:

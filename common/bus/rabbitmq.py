@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pika
@@ -51,7 +52,6 @@ H_BLOB, H_INDEX, H_COUNT, H_SIZE, H_DIGEST = (
 )
 H_REASON, H_QUEUE = "x-fedmq-reason", "x-fedmq-queue"
 BLOB_TTL_MS = 3_600_000
-BLOB_WAIT_S = 30.0
 
 CONNECTION_ERRORS = (
     pika.exceptions.AMQPConnectionError,
@@ -99,6 +99,7 @@ class _Consumer:
     queue: str
     handler: Handler
     prefetch: int
+    spool: Path | None = None
 
 
 class RabbitBus(Bus):
@@ -129,6 +130,7 @@ class RabbitBus(Bus):
         self._ready = threading.Event()  # connected, consumers and subscriptions live
         self._lock = threading.Lock()  # orders registrations against (re)subscription
         self.reconnects = 0
+        self.stats = {"published_bytes": 0, "consumed_bytes": 0, "largest_frame_bytes": 0, "blobs_sent": 0}
 
     # -- connection -----------------------------------------------------------
 
@@ -138,6 +140,7 @@ class RabbitBus(Bus):
             self._conn = pika.BlockingConnection(self.params)
             self._ch = self._conn.channel()
             self._ch.confirm_delivery()
+            self._ch.add_on_cancel_callback(self._on_cancelled)
             declare_topology(self._ch, self.settings)
         except CONNECTION_ERRORS as exc:
             self._drop()
@@ -160,6 +163,15 @@ class RabbitBus(Bus):
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout)
+
+    def _on_cancelled(self, frame: Any) -> None:
+        """The broker cancelled a consumer (queue deleted, leader moved): declare and subscribe again."""
+        log.warning("consumer_cancelled_by_broker", bus=self.name)
+        self.call_later(self.settings.retry_initial_s, self._resubscribe)
+
+    def _resubscribe(self) -> None:
+        # Simplest correct answer: a fresh connection re-declares the topology and every consumer.
+        raise pika.exceptions.ChannelWrongStateError("consumer cancelled by broker; resubscribing")
 
     def _start_consumer(self, consumer: _Consumer) -> None:
         assert self._ch is not None
@@ -210,6 +222,8 @@ class RabbitBus(Bus):
         finally:
             self._running = False
             self._drop()
+            log.info("bus_stats", bus=self.name, reconnects=self.reconnects,
+                     frame_limit_bytes=self.settings.frame_bytes, **self.stats)
             self._stopped.set()
 
     def _loop(self) -> None:
@@ -301,8 +315,8 @@ class RabbitBus(Bus):
 
     # -- consuming ------------------------------------------------------------
 
-    def consume(self, queue: str, handler: Handler, *, prefetch: int = 1) -> None:
-        consumer = _Consumer(queue, handler, prefetch)
+    def consume(self, queue: str, handler: Handler, *, prefetch: int = 1, spool: Path | None = None) -> None:
+        consumer = _Consumer(queue, handler, prefetch, spool)
         self._register(lambda: self._consumers.append(consumer), lambda: self._start_consumer(consumer))
 
     def subscribe(self, pattern: str, handler: EventHandler) -> None:
@@ -331,6 +345,7 @@ class RabbitBus(Bus):
         self._run_on_loop(both)
 
     def _on_message(self, consumer: _Consumer, method: Any, props: Any, body: bytes) -> None:
+        self._count_received(len(body))
         headers = dict(props.headers or {})
         delivery = RabbitDelivery(
             body=body,
@@ -346,7 +361,10 @@ class RabbitBus(Bus):
         )
         if delivery._blob is not None:
             try:
-                delivery.body = self._read_blob(headers)
+                if consumer.spool is not None:
+                    delivery.body_path = self._read_blob_to_file(headers, consumer.spool)
+                else:
+                    delivery.body = self._read_blob(headers)
             except DecodeBlobError as exc:
                 log.warning("message_rejected", queue=consumer.queue, reason="blob", detail=str(exc))
                 delivery.reject(f"blob: {exc}")
@@ -394,6 +412,8 @@ class RabbitBus(Bus):
             self._ch.basic_ack(delivery._tag)
         if delivery._blob is not None and outcome != "requeue":
             self._delete_blob(delivery._blob)
+        if delivery.body_path is not None:
+            delivery.body_path.unlink(missing_ok=True)
 
     def _dead_letter(self, delivery: RabbitDelivery, reason: str) -> None:
         assert self._ch is not None
@@ -456,7 +476,9 @@ class RabbitBus(Bus):
             raise pika.exceptions.ChannelWrongStateError("not connected")
         if len(body) <= self.settings.frame_bytes:
             self._ch.basic_publish(exchange, key, body, props, mandatory=mandatory)
+            self._count_sent(len(body))
             return
+        self.stats["blobs_sent"] += 1
         blob = f"{BLOB_PREFIX}{uuid.uuid4().hex}"
         frame = self.settings.frame_bytes
         count = -(-len(body) // frame)
@@ -465,10 +487,11 @@ class RabbitBus(Bus):
         view = memoryview(body)
         for index in range(count):
             chunk_headers = {H_BLOB: blob, H_INDEX: index, H_COUNT: count}
+            chunk = bytes(view[index * frame : (index + 1) * frame])
             self._ch.basic_publish(
-                "", blob, bytes(view[index * frame : (index + 1) * frame]),
-                pika.BasicProperties(delivery_mode=2, headers=chunk_headers), mandatory=True,
+                "", blob, chunk, pika.BasicProperties(delivery_mode=2, headers=chunk_headers), mandatory=True
             )
+            self._count_sent(len(chunk))
         envelope_headers = {
             **(props.headers or {}), H_BLOB: blob, H_COUNT: count, H_SIZE: len(body), H_DIGEST: digest
         }
@@ -478,43 +501,80 @@ class RabbitBus(Bus):
         )
         self._ch.basic_publish(exchange, key, b"", envelope, mandatory=mandatory)
 
+    def _count_sent(self, size: int) -> None:
+        self.stats["published_bytes"] += size
+        self.stats["largest_frame_bytes"] = max(self.stats["largest_frame_bytes"], size)
+
+    def _count_received(self, size: int) -> None:
+        self.stats["consumed_bytes"] += size
+        self.stats["largest_frame_bytes"] = max(self.stats["largest_frame_bytes"], size)
+
     def _read_blob(self, headers: dict[str, Any]) -> bytes:
-        """Collect a blob's chunks in order into one buffer, checking size, order and digest."""
-        assert self._ch is not None
+        """A blob's chunks, in order, in one buffer."""
+        buffer = bytearray(self._blob_size(headers))
+        offset = 0
+
+        def write(chunk: bytes) -> None:
+            nonlocal offset
+            buffer[offset : offset + len(chunk)] = chunk
+            offset += len(chunk)
+
+        self._collect_blob(headers, write)
+        return bytes(buffer)
+
+    def _read_blob_to_file(self, headers: dict[str, Any], spool: Path) -> Path:
+        """A blob's chunks, in order, written to a new file in `spool`: memory holds one chunk."""
+        self._blob_size(headers)
+        spool.mkdir(parents=True, exist_ok=True)
+        path = spool / f"{uuid.uuid4().hex}.msg"
+        try:
+            with open(path, "wb") as f:
+                self._collect_blob(headers, f.write)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return path
+
+    def _blob_size(self, headers: dict[str, Any]) -> int:
         blob, count, size = headers.get(H_BLOB), headers.get(H_COUNT), headers.get(H_SIZE)
         if not (isinstance(blob, str) and blob.startswith(BLOB_PREFIX)):
             raise DecodeBlobError(f"bad blob name {blob!r}")
-        if not (isinstance(count, int) and isinstance(size, int) and count > 0 and size > 0):
+        if not (isinstance(count, int) and isinstance(size, int) and 0 < count <= size):
             raise DecodeBlobError("blob envelope without a valid count and size")
         if size > self.settings.max_message_bytes:
             raise DecodeBlobError(f"{size} bytes is over the {self.settings.max_message_bytes} limit")
-        if count != -(-size // self.settings.frame_bytes) and count > size:
-            raise DecodeBlobError("chunk count does not fit the size")
-        buffer = bytearray(size)
-        offset, deadline = 0, time.monotonic() + BLOB_WAIT_S
+        return size
+
+    def _collect_blob(self, headers: dict[str, Any], write: Callable[[bytes], object]) -> None:
+        """Read every chunk of a blob in order into `write`, checking order, size and digest."""
+        assert self._ch is not None and self._conn is not None
+        blob, count, size = headers[H_BLOB], headers[H_COUNT], headers[H_SIZE]
+        digest = hashlib.sha256()
+        received, deadline = 0, time.monotonic() + self.settings.blob_wait_s
         for index in range(count):
             while True:
                 try:
                     method, props, chunk = self._ch.basic_get(blob, auto_ack=False)
                 except pika.exceptions.ChannelClosedByBroker as exc:
-                    # The blob queue is gone (expired or deleted): reopen a channel to go on.
+                    # The blob queue is gone (expired or deleted): the channel is lost with it.
                     self._reopen_channel()
                     raise DecodeBlobError(f"blob queue unavailable: {exc.reply_text}") from None
                 if method is not None:
                     break
                 if time.monotonic() > deadline:
                     raise DecodeBlobError(f"only {index} of {count} chunks arrived")
-                self._conn.sleep(0.05)  # type: ignore[union-attr]
+                self._conn.sleep(0.05)
             got = (props.headers or {}).get(H_INDEX)
-            if got != index or offset + len(chunk) > size:
+            if got != index or received + len(chunk) > size:
                 raise DecodeBlobError(f"chunk {got} out of order or oversized (expected {index})")
-            buffer[offset : offset + len(chunk)] = chunk
-            offset += len(chunk)
-        if offset != size:
-            raise DecodeBlobError(f"blob has {offset} bytes, envelope says {size}")
-        if hashlib.sha256(buffer).hexdigest() != headers.get(H_DIGEST):
+            self._count_received(len(chunk))
+            digest.update(chunk)
+            write(chunk)
+            received += len(chunk)
+        if received != size:
+            raise DecodeBlobError(f"blob has {received} bytes, envelope says {size}")
+        if digest.hexdigest() != headers.get(H_DIGEST):
             raise DecodeBlobError("digest mismatch")
-        return bytes(buffer)
 
     def _delete_blob(self, blob: str) -> None:
         if self._ch is not None and blob.startswith(BLOB_PREFIX):

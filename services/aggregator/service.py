@@ -8,6 +8,7 @@ effect. ModelGet requests are always answered (weights or an error) and acked.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from common.messages import (
     UpdateAccepted,
     expect,
     from_wire,
+    from_wire_file,
     to_wire,
 )
 from common.settings import Settings
@@ -46,6 +48,15 @@ from services.aggregator.strategies import ClientResult, Strategy, build_strateg
 from services.aggregator.validation import check_update
 
 log = structlog.get_logger("fedmq.aggregator")
+
+# The encoded global model is kept for repeat fetches only while small: a large one would
+# cost another copy of the model for the whole round.
+REPLY_CACHE_BYTES = 64 * 1024 * 1024
+
+
+def _views(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's own tensors (no copy): the global weights live once, in the model."""
+    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 @dataclass
@@ -65,6 +76,7 @@ class AggJob:
     open_round: int | None = None
     expected: set[int] = field(default_factory=set)
     reply_cache: tuple[str, bytes] | None = None
+    last_closed: RoundClosed | None = None  # re-sent when its trigger is redelivered
 
 
 class AggregatorService:
@@ -75,18 +87,24 @@ class AggregatorService:
         self.jobs: dict[str, AggJob] = {}
 
     def start(self) -> None:
-        self.bus.consume(topology.AGGREGATOR, self.on_message, prefetch=1)
+        # Updates bigger than a frame are received straight into files: memory holds one chunk.
+        # Files a previous run left half-received belong to messages the broker still holds.
+        shutil.rmtree(self.root / "spool", ignore_errors=True)
+        self.bus.consume(topology.AGGREGATOR, self.on_message, prefetch=1, spool=self.root / "spool")
         self.bus.consume(topology.MODEL, self.on_model_get, prefetch=4)
 
     # -- dispatch -------------------------------------------------------------
 
     def on_message(self, delivery: Delivery) -> None:
         try:
-            msg = from_wire(delivery.body, max_bytes=self.settings.max_message_bytes)
+            if delivery.body_path is not None:
+                msg = from_wire_file(delivery.body_path, max_bytes=self.settings.max_message_bytes)
+            else:
+                msg = from_wire(delivery.body, max_bytes=self.settings.max_message_bytes)
             with structlog.contextvars.bound_contextvars(
                 job=msg.job_id, round=getattr(msg, "round", None), client=getattr(msg, "client", None)
             ):
-                self._handle(msg, delivery.body)
+                self._handle(msg, delivery)
         except DecodeError as exc:
             log.warning("message_rejected", reason="decode", detail=str(exc))
             delivery.reject(f"decode: {exc}")
@@ -97,14 +115,14 @@ class AggregatorService:
             return
         delivery.ack()
 
-    def _handle(self, msg: Message, body: bytes) -> None:
+    def _handle(self, msg: Message, delivery: Delivery) -> None:
         match msg:
             case JobCreate():
                 self.create_job(msg)
             case RoundOpen():
                 self.open_round(msg)
             case ClientUpdate():
-                self.accept_update(msg, body)
+                self.accept_update(msg, delivery)
             case RoundClose():
                 self.close_round(msg)
             case _:
@@ -115,6 +133,7 @@ class AggregatorService:
     def create_job(self, msg: JobCreate) -> None:
         if msg.job_id in self.jobs:
             log.info("job_create_duplicate")
+            self._resend_closed(self.jobs[msg.job_id], 0)
             return
         try:
             spec = parse_job(msg.spec)
@@ -131,7 +150,7 @@ class AggregatorService:
     def _build_job(self, job_id: str, spec: JobSpec) -> AggJob:
         data = load_dataset(spec.data, spec.seed)
         model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
-        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        weights = _views(model)
         store = JobStore(self.root, job_id)
         store.save_spec(canonical_json(spec))
         digest = store.save_checkpoint(0, weights, {})
@@ -155,33 +174,46 @@ class AggregatorService:
         job.open_round, job.expected = msg.round, set(msg.clients)
         log.info("round_opened", clients=len(msg.clients))
 
-    def accept_update(self, msg: ClientUpdate, body: bytes) -> None:
+    def accept_update(self, msg: ClientUpdate, delivery: Delivery) -> None:
         job = self._job(msg.job_id)
         if job.open_round != msg.round:
             raise ValidationError("stale_round", f"round {msg.round} is not open")
         if msg.client not in job.expected:
             raise ValidationError("unknown_client", f"client {msg.client} was not sampled")
         if job.store.has_update(msg.round, msg.client):
+            # Redelivered after it was stored: the scheduler may not have heard, so say it again
+            # (it counts a client once however often it hears).
             log.info("update_duplicate")
+            self._accepted(msg)
             return
         if msg.base_digest != job.digest:
             raise ValidationError("stale_model", "trained on another round's weights")
         check_update(msg, job.weights, max_examples=job.train_size)
-        job.store.put_update(msg, body)
+        job.store.put_update(msg, delivery.body_path or delivery.body)
+        self._accepted(msg)
+        log.info("update_accepted", examples=msg.num_examples, learner=msg.learner)
+
+    def _accepted(self, msg: ClientUpdate) -> None:
         self._publish(UpdateAccepted(
             job_id=msg.job_id, round=msg.round, client=msg.client,
             num_examples=msg.num_examples, metrics=msg.metrics,
         ))
-        log.info("update_accepted", examples=msg.num_examples, learner=msg.learner)
 
     def close_round(self, msg: RoundClose) -> None:
         job = self._job(msg.job_id)
+        if msg.round <= job.round and job.open_round is None:
+            log.info("round_close_duplicate")  # redelivered after it took effect
+            self._resend_closed(job, msg.round)
+            return
         if job.open_round != msg.round:
             raise ValidationError("stale_round", f"round {msg.round} is not open")
         started = time.perf_counter()
         results = job.store.results(msg.round, msg.clients)
         new = job.strategy.aggregate(msg.round, job.weights, results)
-        job.weights = {k: v.to(job.weights[k].dtype) for k, v in new.items()}
+        job.model.load_state_dict(new)  # copies into the parameters, dtypes kept
+        del new
+        job.weights = _views(job.model)
+        job.reply_cache = None
         job.digest = job.store.save_checkpoint(msg.round, job.weights, job.strategy.state())
         job.round, job.open_round, job.expected = msg.round, None, set()
         examples = sum(r.num_examples for r in results)
@@ -207,14 +239,18 @@ class AggregatorService:
 
     def _report(self, job: AggJob, closed: RoundClosed, seconds: float) -> None:
         """Evaluate the new global model and tell the scheduler the round is closed."""
-        job.model.load_state_dict(job.weights)
         loss, accuracy = evaluate(job.model, job.x_test, job.y_test)
         closed = closed.model_copy(
             update={"test_loss": loss, "test_accuracy": accuracy, "aggregate_seconds": seconds}
         )
+        job.last_closed = closed
         self._publish(closed)
         log.info("round_closed", accuracy=round(accuracy, 4), loss=round(loss, 4),
                  clients=len(closed.clients), seconds=round(seconds, 4))
+
+    def _resend_closed(self, job: AggJob, server_round: int) -> None:
+        if job.last_closed is not None and job.last_closed.round == server_round:
+            self._publish(job.last_closed)
 
     def on_model_get(self, delivery: Delivery) -> None:
         try:
@@ -239,7 +275,7 @@ class AggregatorService:
         else:
             return to_wire(ModelReply(job_id=req.job_id, digest=req.digest, error="unknown model"))
         body = to_wire(ModelReply(job_id=req.job_id, digest=req.digest, weights=dict(weights)))
-        if req.digest == job.digest:
+        if req.digest == job.digest and len(body) <= REPLY_CACHE_BYTES:
             job.reply_cache = (req.digest, body)
         return body
 

@@ -25,7 +25,7 @@ import torch
 
 from common import codec
 from common.checkpoint import load_state, save_state
-from common.messages import ClientUpdate, expect, from_wire
+from common.messages import ClientUpdate, expect, from_wire_file
 from services.aggregator.strategies import ClientResult
 
 
@@ -77,9 +77,14 @@ class JobStore:
     def has_update(self, server_round: int, client: int) -> bool:
         return self._update_path(server_round, client, ".json").exists()
 
-    def put_update(self, update: ClientUpdate, body: bytes) -> None:
-        """Keep the body, then a small summary; the summary's presence marks it stored."""
-        _atomic_write(self._update_path(update.round, update.client), body)
+    def put_update(self, update: ClientUpdate, body: bytes | Path) -> None:
+        """Keep the body (moving it if it is a file), then a small summary that marks it stored."""
+        dest = self._update_path(update.round, update.client)
+        if isinstance(body, Path):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(body, dest)
+        else:
+            _atomic_write(dest, body)
         summary = {"num_examples": update.num_examples, "metrics": update.metrics}
         _atomic_write(
             self._update_path(update.round, update.client, ".json"), json.dumps(summary).encode()
@@ -105,8 +110,9 @@ class JobStore:
         shutil.rmtree(self.root / "updates" / f"r{server_round}", ignore_errors=True)
 
 
-def _load_weights(path: Path) -> dict[str, torch.Tensor]:
-    return expect(from_wire(path.read_bytes()), ClientUpdate).weights
+def _load_weights(path: Path) -> Mapping[str, torch.Tensor]:
+    # A large update stays on disk and is read one tensor at a time as it is folded.
+    return expect(from_wire_file(path), ClientUpdate).weights
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

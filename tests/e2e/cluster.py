@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,19 @@ class Cluster:
                     return rows
             time.sleep(0.5)
         raise TimeoutError(f"only {len(rows)} of {count} learners registered; logs in {self.root}")
+
+    def learner_rows(self) -> list[dict[str, Any]]:
+        proc = self.fedmq("learners", "--json", timeout=30)
+        return json.loads(proc.stdout) if proc.returncode == 0 else []
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 60) -> bool:
+        """Poll `condition` until it holds or the deadline passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return True
+            time.sleep(0.2)
+        return False
 
     def log(self, name: str) -> str:
         return (self.root / f"{name}.log").read_text(errors="replace")

@@ -62,3 +62,25 @@ def test_an_unreachable_broker_is_one_clear_line(tmp_path: Path) -> None:
         assert proc.returncode == 3, args
         assert "cannot reach RabbitMQ at amqp://someone:***@127.0.0.1:1/" in proc.stderr
         assert "hunter2" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sigterm_mid_task_returns_the_task_and_the_job_completes_elsewhere(tmp_path: Path) -> None:
+    spec = tmp_path / "slow.yaml"
+    spec.write_text(
+        (REPO / "examples" / "digits.yaml").read_text()
+        .replace("rounds: 30", "rounds: 1").replace("total: 10, per_round: 10, min_fit: 8", "total: 2")
+        .replace("optimizer: sgd", "optimizer: sgd, entrypoint: 'tests.integration.slow_plugin:train'")
+    )
+    with cluster(tmp_path, learners=1, FEDMQ_TEST_TRAIN_SLEEP_S="3") as c:
+        c.wait_learners(1)
+        job_id = c.fedmq("submit", str(spec)).stdout.strip()
+        busy = c.wait_for(lambda: '"task_trained"' not in c.log("learner-0")
+                          and any(r["busy"] for r in c.learner_rows()))
+        assert busy
+        assert c.stop("learner-0") == 0  # SIGTERM while it trains
+        c.start("learner", "learner-1", FEDMQ_REPLICA="1")
+        watched = c.fedmq("watch", job_id, "--json")
+    assert watched.returncode == 0, watched.stderr
+    assert json.loads(watched.stdout)["status"] == "completed"
+    assert '"task_trained"' not in c.log("learner-0"), "the stopped learner must not finish"
+    assert '"task_redelivered"' in c.log("learner-1")

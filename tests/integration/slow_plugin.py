@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from common.jobspec import TrainSpec
 from services.learner.training import train_local
 
-SECONDS = [0.0]
+SECONDS = [0.0]  # set by in-process tests; processes read FEDMQ_TEST_TRAIN_SLEEP_S
 
 
 def train(
@@ -21,5 +22,5 @@ def train(
     generator: torch.Generator,
     device: torch.device,
 ) -> dict[str, float]:
-    time.sleep(SECONDS[0])  # holds the GIL-free wait a long GPU step would
+    time.sleep(SECONDS[0] or float(os.environ.get("FEDMQ_TEST_TRAIN_SLEEP_S", "0")))
     return train_local(model, x, y, train, generator, device)

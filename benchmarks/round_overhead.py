@@ -1,0 +1,109 @@
+"""Orchestration cost per round: 1 SGD step per client, 10 clients a round, 3 learners.
+
+Measures, on RabbitMQ (real service processes) and on the in-memory bus (one process):
+the steady per-round time, and the time from submitting a job to its first round
+starting. The same job run as a plain single-process loop (tests/reference.py) is
+the baseline measured in the same run: what is left is fedmq's own overhead.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from common.jobspec import JobSpec, load_job  # noqa: E402
+from common.logging import configure_logging  # noqa: E402
+from common.messages import JobEvent, JobSubmit  # noqa: E402
+from common.settings import Settings  # noqa: E402
+from services.cli.embedded import new_job_id, run_job  # noqa: E402
+from services.cli.remote import Remote  # noqa: E402
+from tests.e2e.cluster import cluster  # noqa: E402
+from tests.reference import reference_fedavg  # noqa: E402
+
+
+class Clock:
+    """Arrival time of each job event, relative to submission."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.round_started: dict[int, float] = {}
+        self.done = threading.Event()
+
+    def __call__(self, event: JobEvent) -> None:
+        now = time.perf_counter() - self.t0
+        if event.kind == "round_started" and event.round is not None:
+            self.round_started[event.round] = now
+        elif event.kind in ("completed", "failed", "cancelled"):
+            self.round_started[-1] = now
+            self.done.set()
+
+    def figures(self, rounds: int) -> dict[str, Any]:
+        starts = [self.round_started[r] for r in range(1, rounds + 1)] + [self.round_started[-1]]
+        per_round = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        steady = per_round[2:]  # the first rounds warm caches and torch up
+        return {
+            "submit_to_first_round_s": round(starts[0], 3),
+            "round_s_median": round(statistics.median(steady), 4),
+            "round_s_p90": round(sorted(steady)[int(0.9 * (len(steady) - 1))], 4),
+            "rounds_measured": len(steady),
+        }
+
+
+def on_rabbitmq(spec: JobSpec, learners: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp, cluster(Path(tmp), learners=learners) as c:
+        c.wait_learners(learners)
+        settings = Settings(broker_url=c.url, state_dir=Path(tmp) / "cli")
+        with Remote(settings) as remote:
+            job_id = new_job_id(spec)
+            follower = remote.follow(job_id)
+            clock = Clock()
+            remote.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
+            for event in follower.events(idle_timeout=120):
+                clock(event)
+        c.stop_all()
+    return clock.figures(spec.rounds)
+
+
+def in_memory(spec: JobSpec, learners: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        clock = Clock()
+        run_job(spec, Settings(state_dir=Path(tmp)), learners=learners, on_event=clock)
+    return clock.figures(spec.rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--learners", type=int, default=3)
+    args = parser.parse_args()
+    configure_logging("json", "warning")
+    spec = load_job(REPO / "examples" / "digits.yaml", {"rounds": args.rounds, "train.max_steps": 1})
+    plain = reference_fedavg(spec)["round_seconds"][2:]
+    report = {
+        "job": "examples/digits.yaml with train.max_steps=1",
+        "clients_per_round": spec.clients.sampled,
+        "learners": args.learners,
+        "plain_loop_baseline_round_s_median": round(statistics.median(plain), 4),
+        "rabbitmq": on_rabbitmq(spec, args.learners),
+        "in_memory": in_memory(spec, args.learners),
+    }
+    for bus in ("rabbitmq", "in_memory"):
+        report[bus]["overhead_per_round_s"] = round(
+            report[bus]["round_s_median"] - report["plain_loop_baseline_round_s_median"], 4
+        )
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""What only a real broker can do to us: close every connection, cancel consumers, send broken blobs."""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import subprocess
+import threading
+import time
+from urllib.parse import urlsplit
+
+import pika
+
+from common.bus.base import Delivery
+from common.bus.rabbitmq import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE, RabbitBus
+from common.checkpoint import load_state
+from common.messages import JobEvent
+from common.settings import Settings
+from services.cli.embedded import run_job
+from tests.conftest import assert_bit_identical, small_job
+from tests.integration.test_bus_contract import WAIT
+from tests.rabbit import dead_letters, fresh_vhost
+from tests.reference import reference_fedavg
+
+
+def test_a_job_survives_the_broker_closing_every_connection(tmp_path) -> None:
+    spec = small_job(rounds=5, round_timeout_s=20)
+    with fresh_vhost() as url:
+        vhost = urlsplit(url).path.lstrip("/")
+        settings = Settings(broker_url=url, state_dir=tmp_path, retry_initial_s=0.2)
+        closed = threading.Event()
+
+        def on_event(event: JobEvent) -> None:
+            if event.kind == "round_completed" and event.round == 2 and not closed.is_set():
+                closed.set()
+                subprocess.run(["rabbitmqctl", "-q", "close_all_connections", "-p", vhost, "chaos test"],
+                               check=True, capture_output=True, timeout=60)
+
+        result = run_job(spec, settings, learners=2, connect=lambda name: RabbitBus(settings, name),
+                         on_event=on_event, idle_timeout=90)
+    assert closed.is_set()
+    assert result["status"] == "completed"
+    assert result["reconnects"] >= 3, "scheduler, aggregator and learners all had to reconnect"
+    assert_bit_identical(load_state(result["model_path"])[0], reference_fedavg(spec)["weights"])
+
+
+def test_a_consumer_cancelled_by_the_broker_subscribes_again(tmp_path) -> None:
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, retry_initial_s=0.2)
+        got: queue.Queue[bytes] = queue.Queue()
+        consumer = RabbitBus(settings, "consumer")
+
+        def handle(delivery: Delivery) -> None:
+            got.put(delivery.body)
+            delivery.ack()
+
+        consumer.consume("fedmq.tasks", handle)
+        thread = threading.Thread(target=consumer.run, daemon=True)
+        thread.start()
+        assert consumer.wait_ready(WAIT)
+        conn = pika.BlockingConnection(pika.URLParameters(url))
+        conn.channel().queue_delete("fedmq.tasks")  # the broker cancels our consumer
+        conn.close()
+        deadline = time.monotonic() + WAIT
+        while consumer.reconnects == 0 or not consumer.wait_ready(0.1):
+            assert time.monotonic() < deadline, "the consumer never noticed its cancellation"
+            time.sleep(0.1)
+        RabbitBus(settings, "producer").publish("fedmq.tasks", b"after cancel")
+        assert got.get(timeout=WAIT) == b"after cancel"
+        consumer.stop()
+        thread.join(WAIT)
+
+
+def publish_blob(url: str, chunks: list[bytes], size: int, digest: str, count: int) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.queue_declare("fedmq.blob.test", durable=True, arguments={"x-expires": 60_000})
+    for i, chunk in enumerate(chunks):
+        headers = {H_BLOB: "fedmq.blob.test", H_INDEX: i, H_COUNT: count}
+        ch.basic_publish("", "fedmq.blob.test", chunk, pika.BasicProperties(headers=headers))
+    ch.basic_publish("", "fedmq.aggregator", b"", pika.BasicProperties(headers={
+        H_BLOB: "fedmq.blob.test", H_COUNT: count, H_SIZE: size, H_DIGEST: digest}))
+    conn.close()
+
+
+def broken_blob_reason(tmp_path, chunks: list[bytes], size: int, digest: str, count: int) -> str:
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, blob_wait_s=0.5)
+        bus = RabbitBus(settings, "aggregator")
+        handled: queue.Queue[Delivery] = queue.Queue()
+        bus.consume("fedmq.aggregator", handled.put)
+        thread = threading.Thread(target=bus.run, daemon=True)
+        thread.start()
+        assert bus.wait_ready(WAIT)
+        publish_blob(url, chunks, size, digest, count)
+        deadline = time.monotonic() + WAIT
+        while not (dead := dead_letters(url)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        bus.stop()
+        thread.join(WAIT)
+    assert handled.empty(), "a broken blob must never reach the handler"
+    assert len(dead) == 1
+    return str(dead[0][0]["x-fedmq-reason"])
+
+
+def test_a_blob_whose_chunks_never_all_arrive_is_dead_lettered(tmp_path) -> None:
+    data = b"x" * 100
+    reason = broken_blob_reason(tmp_path, [data[:50]], 100, hashlib.sha256(data).hexdigest(), 2)
+    assert reason == "blob: only 1 of 2 chunks arrived"
+
+
+def test_a_blob_with_a_wrong_digest_is_dead_lettered(tmp_path) -> None:
+    data = b"x" * 100
+    wrong = hashlib.sha256(b"other").hexdigest()
+    reason = broken_blob_reason(tmp_path, [data[:50], data[50:]], 100, wrong, 2)
+    assert reason == "blob: digest mismatch"
+
+
+def test_a_blob_larger_than_the_limit_is_refused_before_it_is_read(tmp_path) -> None:
+    reason = broken_blob_reason(tmp_path, [b"x"], 10 * 1024**3, "00", 2560)
+    assert reason.startswith("blob: 10737418240 bytes is over the")

@@ -1,0 +1,64 @@
+"""Which device a learner binds (seed 004): explicit, spread by replica, or a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.errors import ConfigError
+from services.learner.device import resolve_device
+
+
+def fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_cpu_is_cpu_whatever_gpus_there_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpus(monkeypatch, 4)
+    assert resolve_device("cpu", 3) == torch.device("cpu")
+
+
+def test_auto_without_gpus_falls_back_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpus(monkeypatch, 0)
+    assert resolve_device("auto", 5) == torch.device("cpu")
+
+
+@pytest.mark.parametrize(("replica", "expected"), [(0, 0), (1, 1), (2, 0), (3, 1)])
+def test_auto_spreads_replicas_over_the_visible_gpus(
+    monkeypatch: pytest.MonkeyPatch, replica: int, expected: int
+) -> None:
+    fake_gpus(monkeypatch, 2)
+    assert resolve_device("auto", replica) == torch.device("cuda", expected)
+    assert resolve_device("cuda", replica) == torch.device("cuda", expected)
+
+
+def test_an_explicit_gpu_index_is_taken_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpus(monkeypatch, 2)
+    assert resolve_device("cuda:1", 0) == torch.device("cuda", 1)
+
+
+def test_a_gpu_that_does_not_exist_is_a_clear_start_up_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpus(monkeypatch, 2)
+    with pytest.raises(ConfigError, match=r"FEDMQ_DEVICE=cuda:2 but only 2 GPU\(s\) are visible"):
+        resolve_device("cuda:2", 0)
+
+
+def test_asking_for_a_missing_gpu_says_what_to_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpus(monkeypatch, 0)
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
+        resolve_device("cuda", 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_real_gpu_trains_a_client() -> None:
+    from common.seeding import torch_generator
+    from services.learner.training import train_local
+    from tests.conftest import small_job
+
+    spec = small_job()
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)).cuda()
+    x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
+    metrics = train_local(model, x, y, spec.train, torch_generator(0, "t"), torch.device("cuda", 0))
+    assert metrics["steps"] == 2
+    assert next(model.parameters()).device.type == "cuda"
