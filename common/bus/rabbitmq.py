@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import heapq
 import itertools
+import os
 import queue
 import threading
 import time
@@ -53,15 +54,16 @@ H_BLOB, H_INDEX, H_COUNT, H_SIZE, H_DIGEST = (
 H_REASON, H_QUEUE = "x-fedmq-reason", "x-fedmq-queue"
 BLOB_TTL_MS = 3_600_000
 
-CONNECTION_ERRORS = (
+# What means "the connection or channel is gone": reconnect. Anything else a handler raises
+# (a full disk, a bug) is that message's problem: it is dead-lettered and the service goes on.
+PIKA_ERRORS = (
     pika.exceptions.AMQPConnectionError,
     pika.exceptions.AMQPChannelError,
     pika.exceptions.StreamLostError,
     pika.exceptions.ConnectionWrongStateError,
     pika.exceptions.ChannelWrongStateError,
-    ConnectionError,
-    OSError,
 )
+CONNECTION_ERRORS = (*PIKA_ERRORS, ConnectionError)
 
 
 class DecodeBlobError(Exception):
@@ -74,6 +76,7 @@ class RabbitDelivery(Delivery):
     _tag: int = field(kw_only=True)
     _generation: int = field(kw_only=True)
     _blob: str | None = field(default=None, kw_only=True)
+    _chunk_tags: list[int] = field(default_factory=list, kw_only=True)
     _settled: bool = field(default=False, kw_only=True)
 
     def ack(self) -> None:
@@ -122,6 +125,7 @@ class RabbitBus(Bus):
         self._waiters: dict[str, Future[bytes]] = {}
         self._conn: BlockingConnection | None = None
         self._ch: BlockingChannel | None = None
+        self._blob_ch: BlockingChannel | None = None  # reads chunks; a 404 there spares the main one
         self._reply_queue = ""
         self._generation = 0
         self._thread: int | None = None
@@ -142,7 +146,16 @@ class RabbitBus(Bus):
             self._ch.confirm_delivery()
             self._ch.add_on_cancel_callback(self._on_cancelled)
             declare_topology(self._ch, self.settings)
-        except CONNECTION_ERRORS as exc:
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._drop()
+            if exc.reply_code == 406:
+                raise BrokerUnavailable(
+                    f"RabbitMQ at {self.settings.safe_broker_url} refused fedmq's queues: {exc.reply_text}. "
+                    "They exist with other arguments (FEDMQ_DELIVERY_LIMIT changed?): delete them or "
+                    "use a fresh vhost."
+                ) from None
+            raise BrokerUnavailable(unreachable_message(self.settings, exc)) from None
+        except (*CONNECTION_ERRORS, OSError) as exc:
             self._drop()
             raise BrokerUnavailable(unreachable_message(self.settings, exc)) from None
         self._generation += 1
@@ -190,7 +203,11 @@ class RabbitBus(Bus):
 
     def _drop(self) -> None:
         self._ready.clear()
-        conn, self._conn, self._ch = self._conn, None, None
+        # Replies to the old reply queue can never arrive: let waiting requests fail now.
+        for future in list(self._waiters.values()):
+            if not future.done():
+                future.set_exception(ConnectionError("connection to the broker was lost"))
+        conn, self._conn, self._ch, self._blob_ch = self._conn, None, None, None
         if conn is not None and conn.is_open:
             # Closing a broken connection may fail in many ways; it is gone either way.
             with contextlib.suppress(Exception):
@@ -244,24 +261,20 @@ class RabbitBus(Bus):
                 item = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            item()
+            _guarded(item, "callback_crashed")
 
     def _fire_due_timers(self) -> float | None:
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             _, _, timer, callback = heapq.heappop(self._timers)
             if not timer.cancelled:
-                try:
-                    callback()
-                except CONNECTION_ERRORS:
-                    raise
-                except Exception:
-                    log.exception("timer_callback_crashed")
+                _guarded(callback, "timer_callback_crashed")
         return max(0.0, self._timers[0][0] - time.monotonic()) if self._timers else None
 
     def stop(self) -> None:
         self._running = False
-        self._wake()
+        if not self._on_loop():  # on the loop (a signal handler) the flag is seen within 1 s
+            self._wake()
 
     def wait_stopped(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
@@ -361,17 +374,18 @@ class RabbitBus(Bus):
         )
         if delivery._blob is not None:
             try:
+                tags = delivery._chunk_tags
                 if consumer.spool is not None:
-                    delivery.body_path = self._read_blob_to_file(headers, consumer.spool)
+                    delivery.body_path = self._read_blob_to_file(headers, consumer.spool, tags)
                 else:
-                    delivery.body = self._read_blob(headers)
+                    delivery.body = self._read_blob(headers, delivery._chunk_tags)
             except DecodeBlobError as exc:
                 log.warning("message_rejected", queue=consumer.queue, reason="blob", detail=str(exc))
                 delivery.reject(f"blob: {exc}")
                 return
         try:
             consumer.handler(delivery)
-        except CONNECTION_ERRORS:
+        except PIKA_ERRORS:
             raise
         except Exception as exc:  # a handler bug must not kill the service: dead-letter
             log.exception("handler_crashed", queue=consumer.queue)
@@ -381,7 +395,7 @@ class RabbitBus(Bus):
         headers = dict(props.headers or {})
         if H_BLOB in headers:
             try:
-                body = self._read_blob(headers)
+                body = self._read_blob(headers, [])
             except DecodeBlobError as exc:
                 log.warning("reply_dropped", reason=str(exc))
                 body = b""
@@ -407,6 +421,10 @@ class RabbitBus(Bus):
             self._dead_letter(delivery, reason)
             self._ch.basic_ack(delivery._tag)
         elif outcome == "requeue":
+            # The chunks we took must go back to their queue before the envelope does.
+            if self._blob_ch is not None:
+                for tag in delivery._chunk_tags:
+                    self._blob_ch.basic_nack(tag, requeue=True)
             self._ch.basic_nack(delivery._tag, requeue=True)
         else:
             self._ch.basic_ack(delivery._tag)
@@ -509,7 +527,7 @@ class RabbitBus(Bus):
         self.stats["consumed_bytes"] += size
         self.stats["largest_frame_bytes"] = max(self.stats["largest_frame_bytes"], size)
 
-    def _read_blob(self, headers: dict[str, Any]) -> bytes:
+    def _read_blob(self, headers: dict[str, Any], tags: list[int]) -> bytes:
         """A blob's chunks, in order, in one buffer."""
         buffer = bytearray(self._blob_size(headers))
         offset = 0
@@ -519,17 +537,19 @@ class RabbitBus(Bus):
             buffer[offset : offset + len(chunk)] = chunk
             offset += len(chunk)
 
-        self._collect_blob(headers, write)
+        self._collect_blob(headers, write, tags)
         return bytes(buffer)
 
-    def _read_blob_to_file(self, headers: dict[str, Any], spool: Path) -> Path:
+    def _read_blob_to_file(self, headers: dict[str, Any], spool: Path, tags: list[int]) -> Path:
         """A blob's chunks, in order, written to a new file in `spool`: memory holds one chunk."""
         self._blob_size(headers)
         spool.mkdir(parents=True, exist_ok=True)
         path = spool / f"{uuid.uuid4().hex}.msg"
         try:
             with open(path, "wb") as f:
-                self._collect_blob(headers, f.write)
+                self._collect_blob(headers, f.write, tags)
+                f.flush()
+                os.fsync(f.fileno())  # acked once handled: it must be on disk by then
         except BaseException:
             path.unlink(missing_ok=True)
             raise
@@ -545,21 +565,27 @@ class RabbitBus(Bus):
             raise DecodeBlobError(f"{size} bytes is over the {self.settings.max_message_bytes} limit")
         return size
 
-    def _collect_blob(self, headers: dict[str, Any], write: Callable[[bytes], object]) -> None:
+    def _collect_blob(
+        self, headers: dict[str, Any], write: Callable[[bytes], object], tags: list[int]
+    ) -> None:
         """Read every chunk of a blob in order into `write`, checking order, size and digest."""
-        assert self._ch is not None and self._conn is not None
+        assert self._conn is not None
+        if self._blob_ch is None or not self._blob_ch.is_open:
+            self._blob_ch = self._conn.channel()
         blob, count, size = headers[H_BLOB], headers[H_COUNT], headers[H_SIZE]
         digest = hashlib.sha256()
         received, deadline = 0, time.monotonic() + self.settings.blob_wait_s
         for index in range(count):
             while True:
                 try:
-                    method, props, chunk = self._ch.basic_get(blob, auto_ack=False)
+                    method, props, chunk = self._blob_ch.basic_get(blob, auto_ack=False)
                 except pika.exceptions.ChannelClosedByBroker as exc:
-                    # The blob queue is gone (expired or deleted): the channel is lost with it.
-                    self._reopen_channel()
+                    # The blob queue is gone (expired, deleted, never made): only the chunk
+                    # channel is lost with it; the envelope is rejected on the main one.
+                    self._blob_ch = None
                     raise DecodeBlobError(f"blob queue unavailable: {exc.reply_text}") from None
                 if method is not None:
+                    tags.append(method.delivery_tag)
                     break
                 if time.monotonic() > deadline:
                     raise DecodeBlobError(f"only {index} of {count} chunks arrived")
@@ -577,15 +603,25 @@ class RabbitBus(Bus):
             raise DecodeBlobError("digest mismatch")
 
     def _delete_blob(self, blob: str) -> None:
-        if self._ch is not None and blob.startswith(BLOB_PREFIX):
-            try:
-                self._ch.queue_delete(blob)
-            except pika.exceptions.ChannelClosedByBroker:
-                self._reopen_channel()
+        """Drop a settled blob's queue (and the chunks we hold from it) on the chunk channel."""
+        if self._conn is None or not blob.startswith(BLOB_PREFIX):
+            return
+        try:
+            if self._blob_ch is None or not self._blob_ch.is_open:
+                self._blob_ch = self._conn.channel()
+            self._blob_ch.queue_delete(blob)
+        except pika.exceptions.ChannelClosedByBroker:
+            self._blob_ch = None  # already gone: nothing to clean
 
-    def _reopen_channel(self) -> None:
-        """A channel-level error closed our channel; reconnect fully so consumers come back."""
-        raise pika.exceptions.ChannelWrongStateError("channel closed by broker; reconnecting")
+
+def _guarded(callback: Callable[[], None], event: str) -> None:
+    """Run a callback on the loop; a lost connection propagates (reconnect), a bug is logged."""
+    try:
+        callback()
+    except PIKA_ERRORS:
+        raise
+    except Exception:
+        log.exception(event)
 
 
 def declare_topology(ch: BlockingChannel, settings: Settings) -> None:

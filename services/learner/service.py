@@ -9,11 +9,11 @@ returned to the queue.
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,17 +71,18 @@ class LearnerService:
         # Without a replica index (compose has none) the pid keeps names on one host apart.
         self.name = f"{self.node}/{given}" if given is not None else f"{self.node}/pid{os.getpid()}"
         self.device = torch.device("cpu")
-        self._worker: ThreadPoolExecutor | None = None
+        self._tasks: queue.SimpleQueue[tuple[TrainTask, Delivery]] = queue.SimpleQueue()
+        self._stopping = False
         self._contexts: OrderedDict[str, JobContext] = OrderedDict()
         self._models: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._current: Delivery | None = None
-        self._lock = threading.Lock()
         self.fetches = 0  # global models fetched over the bus (the rest came from the cache)
         self.redelivered = 0  # tasks that reached this learner marked as redelivered
 
     def start(self) -> None:
         self.device = resolve_device(self.settings.device, self.replica)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"train-{self.replica}")
+        # A daemon thread: a stopping process does not wait for a half-done training step.
+        threading.Thread(target=self._work, name=f"train-{self.replica}", daemon=True).start()
         self.bus.consume(topology.TASKS, self.on_task, prefetch=1)
         self.bus.call_soon(self._heartbeat)
         log.info("learner_started", learner=self.name, device=str(self.device))
@@ -98,13 +99,12 @@ class LearnerService:
             self.bus.call_later(self.settings.liveness_s, self._heartbeat)
 
     def shutdown(self) -> None:
-        """Return an unfinished task to the queue; the training thread is abandoned."""
-        with self._lock:
-            if self._current is not None:
-                self._current.requeue()
-                self._current = None
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
+        """Stop taking work; safe from a signal handler (it only sets a flag).
+
+        An unfinished task is neither published nor acked: when the bus stops, its
+        connection closes and the broker hands the task to another learner.
+        """
+        self._stopping = True
 
     def on_task(self, delivery: Delivery) -> None:
         try:
@@ -113,13 +113,16 @@ class LearnerService:
             log.warning("message_rejected", reason="decode", detail=str(exc))
             delivery.reject(f"decode: {exc}")
             return
-        assert self._worker is not None
         if delivery.redelivered:
             self.redelivered += 1
             log.info("task_redelivered", job=task.job_id, round=task.round, client=task.client)
-        with self._lock:
-            self._current = delivery
-        self._worker.submit(self._run, task, delivery)
+        self._current = delivery  # prefetch 1: at most one task is ours at a time
+        self._tasks.put((task, delivery))
+
+    def _work(self) -> None:
+        while True:
+            task, delivery = self._tasks.get()
+            self._run(task, delivery)
 
     def _run(self, task: TrainTask, delivery: Delivery) -> None:
         # contextvars are per thread: bind here, where the work runs.
@@ -132,17 +135,17 @@ class LearnerService:
             except Exception as exc:
                 log.exception("task_crashed")
                 reply = self._failure(task, "error", f"{type(exc).__name__}: {exc}")
-            with self._lock:
-                if self._current is not delivery:
-                    return  # shut down meanwhile: the task went back to the queue
-                self._current = None
+            if self._stopping:
+                return  # the task goes back to the queue with our connection
             try:
                 self.bus.publish(reply[0], reply[1])
             except Exception as exc:
                 # Not confirmed, so not acked: the broker hands the task out again.
                 log.warning("publish_failed", error=str(exc)[:300])
+                self._current = None
                 delivery.requeue()
                 return
+            self._current = None
             delivery.ack()
 
     def _train(self, task: TrainTask) -> tuple[str, bytes]:

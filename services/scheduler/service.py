@@ -74,9 +74,11 @@ class SchedulerService:
         self.bus.call_later(1.0, self._sweep)
 
     def _sweep(self) -> None:
-        for name in self.registry.sweep(time.monotonic()):
-            log.warning("learner_lost", learner=name, alive=self.registry.alive_count)
-        self.bus.call_later(1.0, self._sweep)
+        try:
+            for name in self.registry.sweep(time.monotonic()):
+                log.warning("learner_lost", learner=name, alive=self.registry.alive_count)
+        finally:
+            self.bus.call_later(1.0, self._sweep)
 
     def on_message(self, delivery: Delivery) -> None:
         try:
@@ -179,15 +181,19 @@ class SchedulerService:
         except ConfigError as exc:
             self._event(msg.job_id, "failed", data={"reason": str(exc)})
             raise ValidationError("invalid_spec", str(exc)) from None
+        # Publish before remembering: if the publish fails, the redelivered JobSubmit starts over.
+        self.bus.publish(topology.AGGREGATOR, to_wire(JobCreate(job_id=msg.job_id, spec=msg.spec)))
         job = SchedJob(msg.job_id, spec, msg.spec)
         self.jobs[msg.job_id] = job
-        self.bus.publish(topology.AGGREGATOR, to_wire(JobCreate(job_id=msg.job_id, spec=msg.spec)))
         self._event(job.job_id, "accepted", rounds=spec.rounds, data={"name": spec.name})
         log.info("job_accepted", name=spec.name, rounds=spec.rounds, clients=spec.clients.total)
 
     def round_closed(self, job: SchedJob, msg: RoundClosed) -> None:
         if msg.round != job.round:
             log.info("round_closed_duplicate", closed=msg.round)
+            return
+        if job.state is not None and job.state.round == msg.round and not job.state.closing:
+            log.warning("round_closed_unasked", closed=msg.round)  # not ours to take: wait for quorum
             return
         job.model_digest = msg.model_digest
         record = msg.model_dump(include={
@@ -198,16 +204,25 @@ class SchedulerService:
             record["clients"] = len(job.state.reported)
             record["failed"] = len(job.state.failed)
             record["seconds"] = time.monotonic() - job.state.started
-        job.history.append(record)
-        self._event(job.job_id, "round_completed", round=msg.round, data=record)
+        if not job.history or job.history[-1]["round"] != msg.round:
+            job.history.append(record)
+            self._event(job.job_id, "round_completed", round=msg.round, data=record)
         if msg.round >= job.spec.rounds:
             self._finish(job, COMPLETED, "", model_path=msg.model_path)
         else:
             self.start_round(job, msg.round + 1)
 
     def start_round(self, job: SchedJob, server_round: int) -> None:
+        """Open a round. Everything is published before the job's state moves on, so a
+        publish that fails leaves the RoundClosed that started it to be redelivered and
+        handled again (the aggregator and learners take the repeats as duplicates)."""
         spec = job.spec
         clients = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
+        self.bus.publish(
+            topology.AGGREGATOR,
+            to_wire(RoundOpen(job_id=job.job_id, round=server_round, clients=clients)),
+        )
+        self._dispatch(job, server_round, clients)
         job.round = server_round
         job.state = RoundState(
             round=server_round,
@@ -217,20 +232,15 @@ class SchedulerService:
             retries_left=spec.max_round_retries,
             started=time.monotonic(),
         )
-        self.bus.publish(
-            topology.AGGREGATOR,
-            to_wire(RoundOpen(job_id=job.job_id, round=server_round, clients=clients)),
-        )
-        self._dispatch(job, clients)
         self._arm_deadline(job)
         self._event(job.job_id, "round_started", round=server_round, data={"clients": len(clients)})
 
-    def _dispatch(self, job: SchedJob, clients: list[int]) -> None:
+    def _dispatch(self, job: SchedJob, server_round: int, clients: list[int]) -> None:
         for client in clients:
             task = TrainTask(
                 job_id=job.job_id,
-                task_id=f"{job.job_id}:{job.round}:{client}",
-                round=job.round,
+                task_id=f"{job.job_id}:{server_round}:{client}",
+                round=server_round,
                 client=client,
                 model_digest=job.model_digest,
                 spec=job.raw_spec,
@@ -255,20 +265,26 @@ class SchedulerService:
         assert state is not None
         decision = state.decide(time.monotonic())
         if decision is Decision.CLOSE:
-            state.closing = True
-            if job.timer is not None:
-                job.timer.cancel()
             clients = sorted(state.reported)
             log.info("round_closing", reported=len(clients), sampled=len(state.clients),
                      failed=len(state.failed))
-            self.bus.publish(
+            self.bus.publish(  # first: if it fails, the message that got us here comes again
                 topology.AGGREGATOR,
                 to_wire(RoundClose(job_id=job.job_id, round=state.round, clients=clients)),
             )
+            state.closing = True
+            if job.timer is not None:
+                job.timer.cancel()
         elif decision is Decision.RETRY:
-            missing = state.retry(time.monotonic() + job.spec.round_timeout_s)
-            log.warning("round_retry", missing=len(missing), retries_left=state.retries_left)
-            self._dispatch(job, missing)
+            missing = state.missing
+            log.warning("round_retry", missing=len(missing), retries_left=state.retries_left - 1)
+            try:
+                self._dispatch(job, state.round, missing)
+            except Exception:
+                # A timer has no message to be redelivered: try again shortly.
+                job.timer = self.bus.call_later(1.0, lambda: self._on_deadline(job.job_id, state.round))
+                raise
+            state.retry(time.monotonic() + job.spec.round_timeout_s)
             self._arm_deadline(job)
         elif decision is Decision.FAIL:
             reasons = sorted(set(state.failed.values()))[:3]

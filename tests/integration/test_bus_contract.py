@@ -8,6 +8,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
+
 from common.bus.base import Bus, Delivery
 from tests.integration.conftest import Transport
 
@@ -64,12 +66,15 @@ def test_a_rejected_message_is_dead_lettered_with_its_reason(transport: Transpor
     assert ("wrong_shape: layer.0", b"bad update") in transport.dead()
 
 
-def test_a_handler_that_raises_is_dead_lettered_and_the_consumer_goes_on(transport: Transport) -> None:
+@pytest.mark.parametrize("error", [ValueError("bug"), FileNotFoundError("no such update file")])
+def test_a_handler_that_raises_is_dead_lettered_and_the_consumer_goes_on(
+    transport: Transport, error: Exception
+) -> None:
     got: queue.Queue[Delivery] = queue.Queue()
 
     def handle(delivery: Delivery) -> None:
         if delivery.body == b"boom":
-            raise ValueError("bug")
+            raise error
         got.put(delivery)
         delivery.ack()
 
@@ -78,7 +83,8 @@ def test_a_handler_that_raises_is_dead_lettered_and_the_consumer_goes_on(transpo
         consumer.publish("fedmq.scheduler", b"boom")
         consumer.publish("fedmq.scheduler", b"fine")
         assert got.get(timeout=WAIT).body == b"fine"
-    assert [r for r, b in transport.dead() if b == b"boom"] == ["handler_error: ValueError"]
+        assert getattr(consumer, "reconnects", 0) == 0, "a handler's own error is not a lost connection"
+    assert [r for r, b in transport.dead() if b == b"boom"] == [f"handler_error: {type(error).__name__}"]
 
 
 def test_an_unacked_message_is_redelivered_when_its_consumer_goes_away(transport: Transport) -> None:
@@ -119,6 +125,25 @@ def test_request_and_reply_carry_a_message_larger_than_the_frame(transport: Tran
         server.consume("fedmq.model", answer)
         reply = client.request("fedmq.model", big, timeout=WAIT)
     assert reply == big[::-1] + big
+
+
+def test_a_requeued_large_message_comes_back_whole(transport: Transport) -> None:
+    big = os.urandom(transport.settings.frame_bytes * 3 + 5)
+    got: queue.Queue[Delivery] = queue.Queue()
+
+    def handle(delivery: Delivery) -> None:
+        got.put(delivery)
+        if delivery.redelivered:
+            delivery.ack()
+        else:
+            delivery.requeue()
+
+    with running(transport, "consumer") as consumer:
+        consumer.consume("fedmq.aggregator", handle)
+        consumer.publish("fedmq.aggregator", big)
+        first, second = got.get(timeout=WAIT), got.get(timeout=WAIT)
+    assert bytes(first.body) == bytes(second.body) == big
+    assert second.redelivered
 
 
 def test_a_large_message_crosses_in_one_piece(transport: Transport) -> None:

@@ -119,3 +119,24 @@ def test_a_blob_with_a_wrong_digest_is_dead_lettered(tmp_path) -> None:
 def test_a_blob_larger_than_the_limit_is_refused_before_it_is_read(tmp_path) -> None:
     reason = broken_blob_reason(tmp_path, [b"x"], 10 * 1024**3, "00", 2560)
     assert reason.startswith("blob: 10737418240 bytes is over the")
+
+
+def test_an_envelope_naming_a_missing_blob_is_dead_lettered_without_reconnecting(tmp_path) -> None:
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, blob_wait_s=0.5)
+        bus = RabbitBus(settings, "aggregator")
+        bus.consume("fedmq.aggregator", lambda d: d.ack())
+        thread = threading.Thread(target=bus.run, daemon=True)
+        thread.start()
+        assert bus.wait_ready(WAIT)
+        conn = pika.BlockingConnection(pika.URLParameters(url))
+        conn.channel().basic_publish("", "fedmq.aggregator", b"", pika.BasicProperties(headers={
+            H_BLOB: "fedmq.blob.never-made", H_COUNT: 1, H_SIZE: 10, H_DIGEST: "00"}))
+        conn.close()
+        deadline = time.monotonic() + WAIT
+        while not (dead := dead_letters(url)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        bus.stop()
+        thread.join(WAIT)
+    assert bus.reconnects == 0
+    assert [str(h["x-fedmq-reason"]).split(":")[:2] for h, _ in dead] == [["blob", " blob queue unavailable"]]
