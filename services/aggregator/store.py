@@ -25,7 +25,7 @@ import torch
 
 from common import codec
 from common.checkpoint import load_state, save_state
-from common.messages import ClientUpdate, expect, from_wire_file
+from common.messages import ClientUpdate
 from services.aggregator.strategies import ClientResult
 
 
@@ -71,37 +71,33 @@ class JobStore:
 
     # -- updates --------------------------------------------------------------
 
-    def _update_path(self, server_round: int, client: int, suffix: str = ".msg") -> Path:
-        return self.root / "updates" / f"r{server_round}" / f"c{client}{suffix}"
+    def _update_path(self, server_round: int, client: int) -> Path:
+        return self.root / "updates" / f"r{server_round}" / f"c{client}.msg"
 
     def has_update(self, server_round: int, client: int) -> bool:
-        return self._update_path(server_round, client, ".json").exists()
+        return self._update_path(server_round, client).exists()
 
     def put_update(self, update: ClientUpdate, body: bytes | Path) -> None:
-        """Keep the body (moving it if it is a file), then a small summary that marks it stored."""
+        """Keep the update's body (moving it if it is a file); once it exists it is stored."""
         dest = self._update_path(update.round, update.client)
         if isinstance(body, Path):
             dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(body, dest)
+            os.replace(body, dest)  # the spool file was fsynced when it was received
+            _fsync_dir(dest.parent)
         else:
             _atomic_write(dest, body)
-        summary = {"num_examples": update.num_examples, "metrics": update.metrics}
-        _atomic_write(
-            self._update_path(update.round, update.client, ".json"), json.dumps(summary).encode()
-        )
 
     def results(self, server_round: int, clients: list[int]) -> list[ClientResult]:
-        """The round's stored updates for `clients`, in client order, weights loaded lazily."""
+        """The round's stored updates for `clients`, in client order, weights read lazily from disk."""
         out = []
         for client in sorted(set(clients)):
-            summary = json.loads(self._update_path(server_round, client, ".json").read_text())
-            path = self._update_path(server_round, client)
+            stored = codec.index_tensors(self._update_path(server_round, client))
             out.append(
                 ClientResult(
                     client=client,
-                    num_examples=int(summary["num_examples"]),
-                    metrics={k: float(v) for k, v in summary["metrics"].items()},
-                    load=functools.partial(_load_weights, path),
+                    num_examples=int(stored.fields["num_examples"]),
+                    metrics={str(k): float(v) for k, v in dict(stored.fields.get("metrics", {})).items()},
+                    load=functools.partial(_itself, stored),
                 )
             )
         return out
@@ -110,9 +106,8 @@ class JobStore:
         shutil.rmtree(self.root / "updates" / f"r{server_round}", ignore_errors=True)
 
 
-def _load_weights(path: Path) -> Mapping[str, torch.Tensor]:
-    # A large update stays on disk and is read one tensor at a time as it is folded.
-    return expect(from_wire_file(path), ClientUpdate).weights
+def _itself(value: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    return value
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -123,3 +118,13 @@ def _atomic_write(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
