@@ -135,6 +135,7 @@ class RabbitBus(Bus):
         self._lock = threading.Lock()  # orders registrations against (re)subscription
         self.reconnects = 0
         self.stats = {"published_bytes": 0, "consumed_bytes": 0, "largest_frame_bytes": 0, "blobs_sent": 0}
+        self.on_traffic: Callable[[str, int], None] | None = None  # ("published"|"consumed", bytes)
 
     # -- connection -----------------------------------------------------------
 
@@ -520,12 +521,16 @@ class RabbitBus(Bus):
         self._ch.basic_publish(exchange, key, b"", envelope, mandatory=mandatory)
 
     def _count_sent(self, size: int) -> None:
-        self.stats["published_bytes"] += size
-        self.stats["largest_frame_bytes"] = max(self.stats["largest_frame_bytes"], size)
+        self._count("published", size)
 
     def _count_received(self, size: int) -> None:
-        self.stats["consumed_bytes"] += size
+        self._count("consumed", size)
+
+    def _count(self, direction: str, size: int) -> None:
+        self.stats[f"{direction}_bytes"] += size
         self.stats["largest_frame_bytes"] = max(self.stats["largest_frame_bytes"], size)
+        if self.on_traffic is not None:
+            self.on_traffic(direction, size)
 
     def _read_blob(self, headers: dict[str, Any], tags: list[int]) -> bytes:
         """A blob's chunks, in order, in one buffer."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from common.bus.rabbitmq import RabbitBus
 from common.lifecycle import limit_torch_threads, serve
+from common.metrics import Metrics
 from common.settings import Settings
 from services.aggregator.service import AggregatorService
 
@@ -11,4 +12,7 @@ from services.aggregator.service import AggregatorService
 def main(settings: Settings) -> None:
     limit_torch_threads(settings.torch_threads)
     bus = RabbitBus(settings, name="aggregator")
-    serve(AggregatorService(settings, bus), bus, "aggregator")
+    metrics = Metrics()
+    bus.on_traffic = metrics.traffic
+    metrics.serve(settings.metrics_port)
+    serve(AggregatorService(settings, bus, metrics), bus, "aggregator")

@@ -39,6 +39,7 @@ from common.messages import (
     from_wire_file,
     to_wire,
 )
+from common.metrics import Metrics, reason_label
 from common.settings import Settings
 from common.workloads.datasets import load_dataset
 from common.workloads.models import build_model
@@ -80,9 +81,10 @@ class AggJob:
 
 
 class AggregatorService:
-    def __init__(self, settings: Settings, bus: Bus) -> None:
+    def __init__(self, settings: Settings, bus: Bus, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.bus = bus
+        self.metrics = metrics or Metrics()
         self.root = Path(settings.state_dir) / "aggregator"
         self.jobs: dict[str, AggJob] = {}
 
@@ -101,19 +103,26 @@ class AggregatorService:
                 msg = from_wire_file(delivery.body_path, max_bytes=self.settings.max_message_bytes)
             else:
                 msg = from_wire(delivery.body, max_bytes=self.settings.max_message_bytes)
+        except DecodeError as exc:
+            self._reject(delivery, "decode", str(exc))
+            return
+        try:
             with structlog.contextvars.bound_contextvars(
                 job=msg.job_id, round=getattr(msg, "round", None), client=getattr(msg, "client", None)
             ):
                 self._handle(msg, delivery)
-        except DecodeError as exc:
-            log.warning("message_rejected", reason="decode", detail=str(exc))
-            delivery.reject(f"decode: {exc}")
-            return
-        except ValidationError as exc:
-            log.warning("message_rejected", reason=exc.reason, detail=exc.detail)
-            delivery.reject(str(exc))
+        except (DecodeError, ValidationError) as exc:
+            reason = exc.reason if isinstance(exc, ValidationError) else "decode"
+            if isinstance(msg, ClientUpdate):
+                self.metrics.updates_rejected.labels(reason_label(reason)).inc()
+            self._reject(delivery, reason, getattr(exc, "detail", str(exc)))
             return
         delivery.ack()
+
+    def _reject(self, delivery: Delivery, reason: str, detail: str) -> None:
+        log.warning("message_rejected", reason=reason, detail=detail[:500])
+        self.metrics.messages_rejected.labels(reason_label(reason)).inc()
+        delivery.reject(f"{reason}: {detail}")
 
     def _handle(self, msg: Message, delivery: Delivery) -> None:
         match msg:
@@ -191,6 +200,7 @@ class AggregatorService:
         check_update(msg, job.weights, max_examples=job.train_size)
         job.store.put_update(msg, delivery.body_path or delivery.body)
         self._accepted(msg)
+        self.metrics.updates_accepted.inc()
         log.info("update_accepted", examples=msg.num_examples, learner=msg.learner)
 
     def _accepted(self, msg: ClientUpdate) -> None:
@@ -256,8 +266,7 @@ class AggregatorService:
         try:
             req = expect(from_wire(delivery.body, max_bytes=1024 * 1024), ModelGet)
         except DecodeError as exc:
-            log.warning("message_rejected", reason="decode", detail=str(exc))
-            delivery.reject(f"decode: {exc}")
+            self._reject(delivery, "decode", str(exc))
             return
         self.bus.reply(delivery, self._model_reply(req))
         delivery.ack()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from common.bus.rabbitmq import RabbitBus
 from common.lifecycle import limit_torch_threads, serve
+from common.metrics import Metrics
 from common.settings import Settings
 from services.learner.service import LearnerService
 
@@ -11,6 +12,9 @@ from services.learner.service import LearnerService
 def main(settings: Settings) -> None:
     limit_torch_threads(settings.torch_threads)
     bus = RabbitBus(settings, name="learner")
-    service = LearnerService(settings, bus)
+    metrics = Metrics()
+    bus.on_traffic = metrics.traffic
+    metrics.serve(settings.metrics_port)
+    service = LearnerService(settings, bus, metrics=metrics)
     # SIGTERM: an unfinished task goes back to the queue for another learner.
     serve(service, bus, "learner", on_stop=service.shutdown)

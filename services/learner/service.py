@@ -36,6 +36,7 @@ from common.messages import (
     from_wire,
     to_wire,
 )
+from common.metrics import Metrics
 from common.seeding import torch_generator
 from common.settings import Settings
 from common.workloads.datasets import load_dataset
@@ -62,9 +63,12 @@ class JobContext:
 
 
 class LearnerService:
-    def __init__(self, settings: Settings, bus: Bus, replica: int | None = None) -> None:
+    def __init__(
+        self, settings: Settings, bus: Bus, replica: int | None = None, metrics: Metrics | None = None
+    ) -> None:
         self.settings = settings
         self.bus = bus
+        self.metrics = metrics or Metrics()
         given = settings.replica if settings.replica is not None else replica
         self.replica = given if given is not None else 0
         self.node = settings.node or socket.gethostname()
@@ -111,6 +115,7 @@ class LearnerService:
             task = expect(from_wire(delivery.body, max_bytes=self.settings.frame_bytes), TrainTask)
         except DecodeError as exc:
             log.warning("message_rejected", reason="decode", detail=str(exc))
+            self.metrics.messages_rejected.labels("decode").inc()
             delivery.reject(f"decode: {exc}")
             return
         if delivery.redelivered:
@@ -163,6 +168,7 @@ class LearnerService:
         )
         state = {k: v.detach().to("cpu", copy=True) for k, v in ctx.model.state_dict().items()}
         seconds = time.perf_counter() - started
+        self.metrics.train_seconds.observe(seconds)
         log.info("task_trained", examples=len(indices), seconds=round(seconds, 4),
                  loss=round(float(metrics.get("loss", float("nan"))), 4))
         update = ClientUpdate(
@@ -214,6 +220,7 @@ class LearnerService:
         if reply.error or reply.weights is None:
             raise FedmqError(f"model {task.model_digest[:12]} unavailable: {reply.error}")
         self.fetches += 1
+        self.metrics.model_fetches.inc()
         weights = dict(reply.weights)
         self._models[task.model_digest] = weights
         while len(self._models) > MODEL_CACHE:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from common.bus.rabbitmq import RabbitBus
 from common.lifecycle import serve
+from common.metrics import Metrics
 from common.settings import Settings
 from services.scheduler.service import SchedulerService
 
 
 def main(settings: Settings) -> None:
     bus = RabbitBus(settings, name="scheduler")
-    serve(SchedulerService(settings, bus), bus, "scheduler")
+    metrics = Metrics()
+    bus.on_traffic = metrics.traffic
+    metrics.serve(settings.metrics_port)
+    serve(SchedulerService(settings, bus, metrics), bus, "scheduler")

@@ -38,6 +38,7 @@ from common.messages import (
     from_wire,
     to_wire,
 )
+from common.metrics import Metrics, reason_label
 from common.settings import Settings
 from services.scheduler.registry import Registry
 from services.scheduler.rounds import Decision, RoundState
@@ -63,9 +64,10 @@ class SchedJob:
 
 
 class SchedulerService:
-    def __init__(self, settings: Settings, bus: Bus) -> None:
+    def __init__(self, settings: Settings, bus: Bus, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.bus = bus
+        self.metrics = metrics or Metrics()
         self.jobs: dict[str, SchedJob] = {}
         self.registry = Registry(master_node=settings.master_node)
 
@@ -77,6 +79,7 @@ class SchedulerService:
         try:
             for name in self.registry.sweep(time.monotonic()):
                 log.warning("learner_lost", learner=name, alive=self.registry.alive_count)
+            self._gauge_fleet()
         finally:
             self.bus.call_later(1.0, self._sweep)
 
@@ -90,10 +93,20 @@ class SchedulerService:
             with structlog.contextvars.bound_contextvars(job=msg.job_id, round=getattr(msg, "round", None)):
                 self._handle(msg)
         except (DecodeError, ValidationError) as exc:
-            log.warning("message_rejected", detail=str(exc))
-            delivery.reject(str(exc))
+            reason = exc.reason if isinstance(exc, ValidationError) else "decode"
+            log.warning("message_rejected", reason=reason, detail=str(exc)[:500])
+            self.metrics.messages_rejected.labels(reason_label(reason)).inc()
+            delivery.reject(str(exc) if isinstance(exc, ValidationError) else f"decode: {exc}")
             return
         delivery.ack()
+
+    def _gauge_fleet(self) -> None:
+        self.metrics.learners_alive.set(self.registry.alive_count)
+        self.metrics.learners_busy.set(self.registry.busy_count)
+        self.metrics.tasks_in_flight.set(sum(
+            len(j.state.missing) for j in self.jobs.values()
+            if j.status == RUNNING and j.state is not None and not j.state.closing
+        ))
 
     def _answer(self, msg: Heartbeat | StatusRequest, delivery: Delivery) -> None:
         now = time.monotonic()
@@ -161,6 +174,7 @@ class SchedulerService:
             case ClientFailure():
                 if job.state and job.state.round == msg.round:
                     log.warning("client_failed", client=msg.client, code=msg.code, reason=msg.reason)
+                    self.metrics.client_failures.labels(reason_label(msg.code)).inc()
                     job.state.record_failure(msg.client, f"{msg.code}: {msg.reason}")
                     self._advance(job)
             case JobFailed():
@@ -207,10 +221,20 @@ class SchedulerService:
         if not job.history or job.history[-1]["round"] != msg.round:
             job.history.append(record)
             self._event(job.job_id, "round_completed", round=msg.round, data=record)
+            self._gauge_round(job, msg, record)
         if msg.round >= job.spec.rounds:
             self._finish(job, COMPLETED, "", model_path=msg.model_path)
         else:
             self.start_round(job, msg.round + 1)
+
+    def _gauge_round(self, job: SchedJob, msg: RoundClosed, record: dict[str, Any]) -> None:
+        m = self.metrics
+        m.global_accuracy.labels(job.job_id).set(msg.test_accuracy)
+        m.global_loss.labels(job.job_id).set(msg.test_loss)
+        m.current_round.labels(job.job_id).set(msg.round)
+        if msg.round > 0:
+            m.rounds_completed.labels(job.job_id).inc()
+            m.round_duration.observe(record.get("seconds", 0.0))
 
     def start_round(self, job: SchedJob, server_round: int) -> None:
         """Open a round. Everything is published before the job's state moves on, so a

@@ -1,0 +1,85 @@
+"""Prometheus metrics of every fedmq service, on a registry the service's app module owns.
+
+Names follow Prometheus conventions (`fedmq_` prefix, unit suffixes, `_total`
+counters). Label values stay bounded: reasons and codes are short fixed words,
+`fl_job` is a job id (one series per job; Prometheus's own `job` label names
+the scraped service).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Local training and rounds last from milliseconds (tests) to an hour (real models);
+# prometheus-client's default buckets stop at 10 s.
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+def reason_label(reason: str) -> str:
+    """The fixed word before the first ':' of a rejection reason ('wrong_shape: layer.0' → 'wrong_shape')."""
+    word = reason.split(":", 1)[0].strip().lower()
+    return word[:40] if word.replace("_", "").isalnum() else "other"
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.rounds_completed = Counter(
+            "fedmq_rounds_completed_total", "Rounds closed with a new global model", ["fl_job"], registry=r
+        )
+        self.round_duration = Histogram(
+            "fedmq_round_duration_seconds", "Round wall time from opening to the new global model",
+            buckets=DURATION_BUCKETS, registry=r,
+        )
+        self.global_accuracy = Gauge(
+            "fedmq_global_accuracy_ratio", "Test accuracy of the latest global model", ["fl_job"], registry=r
+        )
+        self.global_loss = Gauge(
+            "fedmq_global_loss", "Test cross-entropy of the latest global model", ["fl_job"], registry=r
+        )
+        self.current_round = Gauge("fedmq_job_round", "The round a job is in", ["fl_job"], registry=r)
+        self.updates_accepted = Counter(
+            "fedmq_updates_accepted_total", "Client updates stored for aggregation", registry=r
+        )
+        self.updates_rejected = Counter(
+            "fedmq_updates_rejected_total", "Client updates refused, by reason", ["reason"], registry=r
+        )
+        self.messages_rejected = Counter(
+            "fedmq_messages_rejected_total", "Messages dead-lettered, by reason", ["reason"], registry=r
+        )
+        self.client_failures = Counter(
+            "fedmq_client_failures_total", "Tasks a learner could not train, by code", ["code"], registry=r
+        )
+        self.bytes_published = Counter(
+            "fedmq_bus_published_bytes_total", "Bytes this service published to the broker", registry=r
+        )
+        self.bytes_consumed = Counter(
+            "fedmq_bus_consumed_bytes_total", "Bytes this service received from the broker", registry=r
+        )
+        self.train_seconds = Histogram(
+            "fedmq_learner_train_seconds", "Local training time of one client task",
+            buckets=DURATION_BUCKETS, registry=r,
+        )
+        self.model_fetches = Counter(
+            "fedmq_learner_model_fetches_total", "Global models fetched over the bus (cache misses)",
+            registry=r,
+        )
+        self.learners_alive = Gauge("fedmq_learners_alive", "Learners heard from recently", registry=r)
+        self.learners_busy = Gauge("fedmq_learners_busy", "Alive learners training a task", registry=r)
+        self.tasks_in_flight = Gauge(
+            "fedmq_tasks_in_flight", "Sampled clients of open rounds not yet reported", registry=r
+        )
+
+    def traffic(self, direction: str, size: int) -> None:
+        """Hook for RabbitBus.on_traffic."""
+        (self.bytes_published if direction == "published" else self.bytes_consumed).inc(size)
+
+    def serve(self, port: int) -> None:
+        """Expose /metrics on `port` (0: don't)."""
+        if port:
+            start_http_server(port, registry=self.registry)

@@ -1,0 +1,101 @@
+"""What an operator sees: every metric the dashboard plots exists and holds a sane value; logs are JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import REPO
+from tests.e2e.cluster import cluster
+
+DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "fedmq.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Samples by name from one /metrics endpoint."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return out
+
+
+def dashboard_metrics() -> set[str]:
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p.get("targets", [])]
+    return {m for e in exprs for m in re.findall(r"fedmq_[a-z_]+", e)}
+
+
+@pytest.fixture(scope="module")
+def finished_job(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("obs")
+    spec = root / "job.yaml"
+    spec.write_text(
+        (REPO / "examples" / "digits-100.yaml").read_text()
+        .replace("rounds: 30", "rounds: 3").replace("epochs: 5", "epochs: 1")
+    )
+    ports = {"scheduler": free_port(), "aggregator": free_port(), "learner-0": free_port(),
+             "learner-1": free_port()}
+    with cluster(root, learners=0) as c:
+        for name in ("scheduler", "aggregator"):
+            c.stop(name)
+            c.start(name, FEDMQ_METRICS_PORT=str(ports[name]))
+        for i in range(2):
+            port = str(ports[f"learner-{i}"])
+            c.start("learner", f"learner-{i}", FEDMQ_REPLICA=str(i), FEDMQ_METRICS_PORT=port)
+        c.wait_learners(2)
+        proc = c.fedmq("submit", str(spec), "--watch")
+        assert proc.returncode == 0, proc.stderr
+        samples = {name: scrape(port) for name, port in ports.items()}
+        logs = {name: c.log(name) for name in ports}
+    return samples, logs
+
+
+def total(samples: dict, name: str) -> float:
+    return sum(v for per_service in samples.values() for _, v in per_service.get(name, []))
+
+
+def test_every_metric_the_dashboard_plots_is_exported(finished_job) -> None:  # type: ignore[no-untyped-def]
+    samples, _ = finished_job
+    exported = {name for per_service in samples.values() for name in per_service}
+    wanted = dashboard_metrics()
+    assert wanted, "the dashboard has no fedmq queries"
+    for name in wanted:
+        assert {name, f"{name}_total", f"{name}_bucket"} & exported, f"{name} is not exported"
+
+
+def test_the_metrics_agree_with_the_job(finished_job) -> None:  # type: ignore[no-untyped-def]
+    samples, _ = finished_job
+    assert total(samples, "fedmq_rounds_completed_total") == 3
+    accuracies = [v for _, v in samples["scheduler"]["fedmq_global_accuracy_ratio"]]
+    assert accuracies and all(0.0 <= a <= 1.0 for a in accuracies)
+    assert total(samples, "fedmq_updates_accepted_total") == 3 * 10  # 10 sampled clients a round
+    assert total(samples, "fedmq_round_duration_seconds_count") == 3
+    assert total(samples, "fedmq_learner_train_seconds_count") == 30
+    assert total(samples, "fedmq_learners_alive") == 2
+    assert total(samples, "fedmq_bus_published_bytes_total") > 0
+    assert 1 <= total(samples, "fedmq_learner_model_fetches_total") <= 2 * 3
+
+
+def test_log_lines_written_while_handling_a_round_are_json_with_job_and_round(finished_job) -> None:  # type: ignore[no-untyped-def]
+    _, logs = finished_job
+    handling = {"update_accepted", "round_closed", "task_trained", "round_closing"}
+    seen = set()
+    for name, text in logs.items():
+        for line in text.splitlines():
+            record = json.loads(line)  # every line is JSON, pika's and the services' alike
+            if record.get("event") in handling and record.get("round"):
+                assert record.get("job"), (name, record)
+                seen.add(record["event"])
+    assert seen == handling
