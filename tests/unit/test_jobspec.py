@@ -317,3 +317,11 @@ def test_a_dotted_override_fills_an_empty_section(tmp_path: Path) -> None:
 def test_a_boolean_is_not_accepted_as_a_number(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="rounds: Input should be a valid integer"):
         load_job(write(tmp_path, "name: j\nclients: {total: 4}\nrounds: true\n"))
+
+
+def test_the_readme_configuration_table_matches_the_settings_class() -> None:
+    from common.settings_doc import render
+    from tests.conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    assert render(readme) == readme, "run: python -m common.settings_doc --write README.md"

@@ -1,0 +1,37 @@
+"""The README's configuration table, rendered from the Settings class so the two cannot drift.
+
+`python -m common.settings_doc` prints it; `--write README.md` replaces the table between
+the markers in place. A test fails when the README's copy differs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from common.settings import Settings
+
+BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
+
+
+def table() -> str:
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        shown = "(unset)" if default is None else f"`{default}`" if default != "" else "(empty)"
+        rows.append(f"| `FEDMQ_{name.upper()}` | {shown} | {field.description or ''} |")
+    return "\n".join(rows)
+
+
+def render(readme: str) -> str:
+    head, rest = readme.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+        path = Path(sys.argv[2])
+        path.write_text(render(path.read_text()))
+    else:
+        print(table())
