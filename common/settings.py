@@ -31,7 +31,9 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     node: str = Field("", description="node name for rank assignment; defaults to the hostname")
     master_node: str = Field("", description="node that takes rank 0; defaults to the first by name")
-    replica: int | None = Field(None, ge=0, description="learner replica index: picks its GPU and names it; unset: named by pid")
+    replica: int | None = Field(
+        None, ge=0, description="learner replica index: picks its GPU and names it; unset: named by pid"
+    )
     frame_bytes: int = Field(4 * MiB, ge=64 * 1024, description="largest single broker message")
     max_message_bytes: int = Field(2048 * MiB, gt=0, description="largest reassembled message")
     delivery_limit: int = Field(20, ge=1, description="deliveries of one message before it is dead-lettered")
@@ -41,7 +43,9 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(120.0, gt=0, description="model fetch and publish timeout")
     retry_initial_s: float = Field(0.5, gt=0, description="first reconnect backoff")
     retry_max_s: float = Field(30.0, gt=0, description="reconnect backoff cap")
-    torch_threads: int = Field(0, ge=0, description="torch threads; 0: one per service process, a share of the cores in `fedmq run`")
+    torch_threads: int = Field(
+        0, ge=0, description="torch threads; 0: one per service process, a share of the cores in `fedmq run`"
+    )
 
     @field_validator("device")
     @classmethod
