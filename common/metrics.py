@@ -17,6 +17,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
 
+# The bounded vocabularies of the labelled counters, exported at 0 from the start so a
+# dashboard query finds the series before the first rejection happens.
+UPDATE_REASONS = (
+    "decode", "unknown_job", "stale_round", "unknown_client", "stale_model", "wrong_tensors",
+    "wrong_dtype", "wrong_shape", "non_finite", "bad_example_count",
+)
+MESSAGE_REASONS = (*UPDATE_REASONS, "invalid_spec", "unexpected_type", "blob", "handler_error", "other")
+FAILURE_CODES = ("invalid", "error")
+
+
 def reason_label(reason: str) -> str:
     """The fixed word before the first ':' of a rejection reason ('wrong_shape: layer.0' → 'wrong_shape')."""
     word = reason.split(":", 1)[0].strip().lower()
@@ -74,6 +84,17 @@ class Metrics:
         self.tasks_in_flight = Gauge(
             "fedmq_tasks_in_flight", "Sampled clients of open rounds not yet reported", registry=r
         )
+        for reason in UPDATE_REASONS:
+            self.updates_rejected.labels(reason)
+        for reason in MESSAGE_REASONS:
+            self.messages_rejected.labels(reason)
+        for code in FAILURE_CODES:
+            self.client_failures.labels(code)
+
+    def dead_letter(self, reason: str) -> None:
+        """Hook for Bus.on_dead_letter: every message this service dead-lettered, by reason."""
+        label = reason_label(reason)
+        self.messages_rejected.labels(label if label in MESSAGE_REASONS else "other").inc()
 
     def traffic(self, direction: str, size: int) -> None:
         """Hook for RabbitBus.on_traffic."""

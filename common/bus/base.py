@@ -54,6 +54,9 @@ class Timer(ABC):
 class Bus(ABC):
     """Publish, consume with ack/reject, request/reply, and timers on one dispatch thread."""
 
+    # Called with the reason of every message this bus dead-letters (a metrics hook).
+    on_dead_letter: Callable[[str], None] | None = None
+
     @abstractmethod
     def publish(
         self,

@@ -137,6 +137,8 @@ class MemoryBroker:
             consumer.unacked.discard(delivery)
             if outcome == "reject":
                 self.dead_letters.append(DeadLetter(delivery.queue, delivery.body, reason))
+                if consumer.bus.on_dead_letter is not None:
+                    consumer.bus.on_dead_letter(reason)
             elif outcome == "requeue":
                 self._return(delivery.queue, delivery._message)
             self._dispatch(delivery.queue)

@@ -421,6 +421,8 @@ class RabbitBus(Bus):
         if outcome == "reject":
             self._dead_letter(delivery, reason)
             self._ch.basic_ack(delivery._tag)
+            if self.on_dead_letter is not None:
+                self.on_dead_letter(reason)
         elif outcome == "requeue":
             # The chunks we took must go back to their queue before the envelope does.
             if self._blob_ch is not None:

@@ -14,5 +14,6 @@ def main(settings: Settings) -> None:
     bus = RabbitBus(settings, name="aggregator")
     metrics = Metrics()
     bus.on_traffic = metrics.traffic
+    bus.on_dead_letter = metrics.dead_letter
     metrics.serve(settings.metrics_port)
     serve(AggregatorService(settings, bus, metrics), bus, "aggregator")

@@ -121,7 +121,6 @@ class AggregatorService:
 
     def _reject(self, delivery: Delivery, reason: str, detail: str) -> None:
         log.warning("message_rejected", reason=reason, detail=detail[:500])
-        self.metrics.messages_rejected.labels(reason_label(reason)).inc()
         delivery.reject(f"{reason}: {detail}")
 
     def _handle(self, msg: Message, delivery: Delivery) -> None:

@@ -14,6 +14,7 @@ def main(settings: Settings) -> None:
     bus = RabbitBus(settings, name="learner")
     metrics = Metrics()
     bus.on_traffic = metrics.traffic
+    bus.on_dead_letter = metrics.dead_letter
     metrics.serve(settings.metrics_port)
     service = LearnerService(settings, bus, metrics=metrics)
     # SIGTERM: an unfinished task goes back to the queue for another learner.

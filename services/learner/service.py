@@ -115,7 +115,6 @@ class LearnerService:
             task = expect(from_wire(delivery.body, max_bytes=self.settings.frame_bytes), TrainTask)
         except DecodeError as exc:
             log.warning("message_rejected", reason="decode", detail=str(exc))
-            self.metrics.messages_rejected.labels("decode").inc()
             delivery.reject(f"decode: {exc}")
             return
         if delivery.redelivered:

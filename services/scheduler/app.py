@@ -13,5 +13,6 @@ def main(settings: Settings) -> None:
     bus = RabbitBus(settings, name="scheduler")
     metrics = Metrics()
     bus.on_traffic = metrics.traffic
+    bus.on_dead_letter = metrics.dead_letter
     metrics.serve(settings.metrics_port)
     serve(SchedulerService(settings, bus, metrics), bus, "scheduler")

@@ -95,7 +95,6 @@ class SchedulerService:
         except (DecodeError, ValidationError) as exc:
             reason = exc.reason if isinstance(exc, ValidationError) else "decode"
             log.warning("message_rejected", reason=reason, detail=str(exc)[:500])
-            self.metrics.messages_rejected.labels(reason_label(reason)).inc()
             delivery.reject(str(exc) if isinstance(exc, ValidationError) else f"decode: {exc}")
             return
         delivery.ack()

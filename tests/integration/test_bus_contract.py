@@ -59,11 +59,14 @@ def test_a_rejected_message_is_dead_lettered_with_its_reason(transport: Transpor
         delivery.reject("wrong_shape: layer.0")
         rejected.set()
 
+    counted: list[str] = []
     with running(transport, "consumer") as consumer:
+        consumer.on_dead_letter = counted.append
         consumer.consume("fedmq.aggregator", reject)
         consumer.publish("fedmq.aggregator", b"bad update")
         assert rejected.wait(WAIT)
     assert ("wrong_shape: layer.0", b"bad update") in transport.dead()
+    assert counted == ["wrong_shape: layer.0"], "the metrics hook sees every dead letter"
 
 
 @pytest.mark.parametrize("error", [ValueError("bug"), FileNotFoundError("no such update file")])
