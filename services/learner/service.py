@@ -85,6 +85,9 @@ class LearnerService:
 
     def start(self) -> None:
         self.device = resolve_device(self.settings.device, self.replica)
+        # torch imports its compiler stack (~2 s here) on the first optimizer it builds:
+        # pay that at start-up, not inside the first round.
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         # A daemon thread: a stopping process does not wait for a half-done training step.
         threading.Thread(target=self._work, name=f"train-{self.replica}", daemon=True).start()
         self.bus.consume(topology.TASKS, self.on_task, prefetch=1)
