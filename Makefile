@@ -5,12 +5,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 JOB    ?= examples/digits.yaml
 
-.PHONY: run test install lint typecheck bench broker clean
+.PHONY: run test install lint typecheck bench broker tools clean
 
 run: $(STAMP)
 	$(BIN)/fedmq run $(JOB)
 
-test: $(STAMP) broker
+test: $(STAMP) broker tools
 	$(BIN)/python -m pytest
 
 # torch first (the CPU wheel), then the project, so pip never reaches for a CUDA build.
@@ -25,6 +25,9 @@ install: $(STAMP)
 broker:
 	@scripts/ensure-rabbitmq.sh
 
+tools:
+	@scripts/ensure-tools.sh
+
 lint: $(STAMP)
 	$(BIN)/ruff check common services tests benchmarks examples
 	$(BIN)/mypy common services
@@ -32,6 +35,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/codec.py
 	$(BIN)/python benchmarks/embedded.py
+	$(BIN)/python benchmarks/round_overhead.py
+	$(BIN)/python benchmarks/large_model.py
 
 clean:
 	rm -rf $(VENV) .fedmq .pytest_cache .mypy_cache .hypothesis

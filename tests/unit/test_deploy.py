@@ -1,0 +1,699 @@
+"""The deployment files (compose.yaml and deploy/), checked without a Docker engine.
+
+compose.yaml is validated by Debian's `docker-compose config` and by the Compose Specification's
+JSON schema (vendored by the check-jsonschema package); the Prometheus configuration and every
+dashboard query by `promtool` (Debian package `prometheus`). A missing tool is a loud skip, and a
+failure under CI=true. The RabbitMQ definitions are checked against what the bus code declares,
+publishes and consumes, and, where a broker runs, by running the services as their own users.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import yaml
+
+from common.bus import rabbitmq as rabbit_bus
+from common.bus import topology
+from common.metrics import DURATION_BUCKETS, Metrics
+from common.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+COMPOSE = REPO / "compose.yaml"
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+RABBITMQ_CONF = DEPLOY / "rabbitmq" / "rabbitmq.conf"
+DEFINITIONS = DEPLOY / "rabbitmq" / "definitions.json"
+ENABLED_PLUGINS = DEPLOY / "rabbitmq" / "enabled_plugins"
+PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "fedmq.json"
+DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
+DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "fedmq.yml"
+
+DATASOURCE_UID = "fedmq-prometheus"
+VHOST = "fedmq"
+FEDMQ_SERVICES = ("scheduler", "aggregator", "learner", "learner-gpu0", "learner-gpu1", "cli")
+SERVICE_USERS = ("scheduler", "aggregator", "learner", "cli")
+METRIC_NAME = re.compile(r"\bfedmq_[a-z_]+")
+HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
+
+
+def _on_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def _missing(what: str, how: str) -> None:
+    """A tool the check needs is missing: fail under CI=true, else skip loudly."""
+    message = f"{what} is missing: {how}"
+    if _on_ci():
+        pytest.fail(f"required under CI=true: {message}")
+    pytest.skip(f"SKIPPING DEPLOY CHECK: {message}")
+
+
+def _tool(name: str, debian_package: str) -> str:
+    found = shutil.which(name) or next(
+        (str(p) for p in (Path("/usr/bin") / name, Path("/usr/local/bin") / name) if p.is_file()), None
+    )
+    if found is None:
+        _missing(name, f"install the Debian package `{debian_package}` (apt-get install -y {debian_package})")
+    assert found is not None
+    return found
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE.read_text())  # resolves the x-* anchors and `<<` merges
+    assert isinstance(data, dict)
+    return data
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def _definitions() -> dict[str, Any]:
+    data = json.loads(DEFINITIONS.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _user_of(service: str) -> str:
+    return "learner" if service.startswith("learner") else service
+
+
+# -- compose.yaml -----------------------------------------------------------------------------
+
+
+def test_compose_is_valid(compose: dict[str, Any]) -> None:
+    """`docker-compose config -q` (Debian) and the Compose Specification schema, where available."""
+    ran = []
+    docker_compose = shutil.which("docker-compose")
+    if docker_compose is not None:
+        proc = subprocess.run(
+            [docker_compose, "-f", str(COMPOSE), "--profile", "gpu", "--profile", "tools", "config", "-q"],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        ran.append("docker-compose config")
+    try:
+        from importlib.resources import files
+
+        import jsonschema
+
+        schema_file = files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
+        schema = json.loads(schema_file.read_text())
+    except ModuleNotFoundError:
+        pass
+    else:
+        validator = jsonschema.validators.validator_for(schema)(schema)
+        errors = sorted(validator.iter_errors(compose), key=lambda e: list(e.absolute_path))
+        assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors)
+        ran.append("compose-spec schema")
+    if not ran:
+        _missing(
+            "a compose validator",
+            "install the Debian package `docker-compose` or the Python package `check-jsonschema` "
+            "(it ships the Compose Specification's JSON schema)",
+        )
+
+
+def test_compose_has_the_whole_stack(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"rabbitmq", "prometheus", "grafana", *FEDMQ_SERVICES} <= services.keys()
+    for name in FEDMQ_SERVICES:
+        service = services[name]
+        assert service["build"]["context"] == "."
+        assert (REPO / service["build"]["dockerfile"]).resolve() == DOCKERFILE
+        assert service["depends_on"]["rabbitmq"]["condition"] == "service_healthy", name
+    for name in ("scheduler", "aggregator", "learner", "learner-gpu0", "learner-gpu1"):
+        service = services[name]
+        assert service["command"] in ([_user_of(name)], _user_of(name)), name
+        env = _env(service)
+        assert env["FEDMQ_METRICS_PORT"] == "9100", name
+        assert env["FEDMQ_LOG_FORMAT"] == "json", name
+        assert env["FEDMQ_STATE_DIR"] == "/var/lib/fedmq", name
+    for name in ("scheduler", "aggregator", "learner", "cli"):
+        assert services[name]["image"] == "fedmq:latest"
+    # Scheduler and aggregator state outlive their containers: named volumes on the state dir.
+    for name in ("scheduler", "aggregator"):
+        mounts = [v.split(":") for v in services[name]["volumes"]]
+        assert any(m[1] == "/var/lib/fedmq" and m[0] in compose["volumes"] for m in mounts), name
+    assert services["cli"]["profiles"] == ["tools"]
+
+
+def test_learner_scales_with_distinct_identities(compose: dict[str, Any]) -> None:
+    learner = compose["services"]["learner"]
+    # `--scale learner=N` needs no fixed name and no host port; each replica names itself after its
+    # hostname (the container id) because neither node, replica nor hostname is pinned.
+    for key in ("container_name", "ports", "hostname"):
+        assert key not in learner, key
+    assert not {"FEDMQ_NODE", "FEDMQ_REPLICA"} & _env(learner).keys()
+    assert "profiles" not in learner
+
+
+def test_gpu_learners_reserve_one_distinct_gpu_each(compose: dict[str, Any]) -> None:
+    gpu = {n: s for n, s in compose["services"].items() if "gpu" in (s.get("profiles") or [])}
+    assert set(gpu) == {"learner-gpu0", "learner-gpu1"}
+    seen: list[str] = []
+    for name, service in gpu.items():
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        # `count: 1` would give every replica the same GPU: one service per GPU, by id.
+        assert "count" not in device, name
+        assert len(device["device_ids"]) == 1, name
+        assert "gpu" in device["capabilities"]
+        seen += device["device_ids"]
+        assert _env(service)["FEDMQ_DEVICE"] == "cuda", "the container sees only its own GPU"
+        assert "cuda" in service["build"]["args"]["BASE_IMAGE"]
+        assert service["image"] != "fedmq:latest", "the CUDA image must not overwrite the CPU one"
+        assert "container_name" not in service and "ports" not in service
+    assert sorted(seen) == ["0", "1"]
+
+
+def test_fedmq_environment_is_made_of_real_settings(compose: dict[str, Any]) -> None:
+    fields = Settings.model_fields
+    for name, service in compose["services"].items():
+        env = {k: v for k, v in _env(service).items() if k.startswith("FEDMQ_")}
+        if name in FEDMQ_SERVICES:
+            assert "FEDMQ_BROKER_URL" in env, name
+        unknown = [k for k in env if k.removeprefix("FEDMQ_").lower() not in fields]
+        assert not unknown, f"{name}: {unknown} are not fedmq settings (common/settings.py)"
+        # And the values pass the settings' own validation.
+        Settings(_env_file=None, **{k.removeprefix("FEDMQ_").lower(): v for k, v in env.items()})
+
+
+def test_rabbitmq_service_mounts_the_deploy_files(compose: dict[str, Any]) -> None:
+    rabbitmq = compose["services"]["rabbitmq"]
+    assert rabbitmq["image"].startswith("rabbitmq:3.13-management")
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in rabbitmq["volumes"]}
+    for target, source in {
+        "/etc/rabbitmq/rabbitmq.conf": RABBITMQ_CONF,
+        "/etc/rabbitmq/enabled_plugins": ENABLED_PLUGINS,
+        "/etc/rabbitmq/definitions.json": DEFINITIONS,
+    }.items():
+        assert (REPO / mounts[target]).resolve() == source, target
+    health = " ".join(rabbitmq["healthcheck"]["test"])
+    assert "rabbitmq-diagnostics -q ping" in health
+    published = {str(p).split(":")[-1] for p in rabbitmq["ports"]}
+    assert {"5672", "15672"} <= published
+
+
+def test_monitoring_services_mount_their_configuration(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    prom = {v.split(":")[1]: v.split(":")[0] for v in services["prometheus"]["volumes"]}
+    assert (REPO / prom["/etc/prometheus/prometheus.yml"]).resolve() == PROMETHEUS
+    grafana = {v.split(":")[1]: v.split(":")[0] for v in services["grafana"]["volumes"]}
+    assert (REPO / grafana["/etc/grafana/provisioning"]).resolve() == DEPLOY / "grafana" / "provisioning"
+    providers = yaml.safe_load(DASHBOARD_PROVIDERS.read_text())["providers"]
+    (provider,) = providers
+    assert provider["type"] == "file"
+    assert (REPO / grafana[provider["options"]["path"]]).resolve() == DASHBOARD.parent
+    env = _env(services["grafana"])
+    assert env["GF_SECURITY_ADMIN_USER"] and env["GF_SECURITY_ADMIN_PASSWORD"]
+    assert "3000:3000" in services["grafana"]["ports"] and "9090:9090" in services["prometheus"]["ports"]
+
+
+# -- RabbitMQ -----------------------------------------------------------------------------------
+
+
+def _rabbit_hash_matches(password: str, stored: str) -> bool:
+    """rabbit_password_hashing_sha256: base64(salt (4 bytes) + sha256(salt + utf-8 password))."""
+    raw = base64.b64decode(stored)
+    salt, digest = raw[:4], raw[4:]
+    return len(raw) == 36 and hashlib.sha256(salt + password.encode()).digest() == digest
+
+
+def test_definitions_give_each_service_its_own_user() -> None:
+    defs = _definitions()
+    assert [v["name"] for v in defs["vhosts"]] == [VHOST]
+    users = {u["name"]: u for u in defs["users"]}
+    assert set(SERVICE_USERS) <= users.keys()
+    assert "guest" not in users
+    for name, user in users.items():
+        assert "password" not in user, f"{name}: plain-text password in definitions"
+        assert user["hashing_algorithm"] == "rabbit_password_hashing_sha256"
+        assert len(base64.b64decode(user["password_hash"])) == 36
+    for name in SERVICE_USERS:
+        assert users[name]["tags"] in ([], ""), f"{name} needs no management access"
+    admins = [n for n, u in users.items() if "administrator" in u["tags"]]
+    assert admins, "an administrator for the management UI"
+    perms = {(p["user"], p["vhost"]) for p in defs["permissions"]}
+    for name in SERVICE_USERS:
+        assert (name, VHOST) in perms, name
+    assert {p["vhost"] for p in defs["permissions"]} == {VHOST}
+
+
+def test_compose_broker_urls_log_in_as_the_service_users(compose: dict[str, Any]) -> None:
+    users = {u["name"]: u for u in _definitions()["users"]}
+    for name in FEDMQ_SERVICES:
+        url = urlsplit(_env(compose["services"][name])["FEDMQ_BROKER_URL"])
+        assert (url.scheme, url.hostname, url.port) == ("amqp", "rabbitmq", 5672), name
+        assert unquote(url.path.lstrip("/")) == VHOST, name
+        assert url.username == _user_of(name), name
+        assert url.password, name
+        assert _rabbit_hash_matches(unquote(url.password), users[url.username]["password_hash"]), name
+
+
+def _permissions() -> dict[str, dict[str, str]]:
+    return {p["user"]: p for p in _definitions()["permissions"] if p["vhost"] == VHOST}
+
+
+def _allowed(regex: str, resource: str) -> bool:
+    # RabbitMQ matches permission regexes anywhere in the name (unanchored), like re.search.
+    return re.search(regex, resource) is not None
+
+
+class _RecordingChannel:
+    """Stands in for a pika channel: records what declare_topology asks of the broker."""
+
+    def __init__(self) -> None:
+        self.exchanges: dict[str, str] = {}
+        self.queues: dict[str, dict[str, Any]] = {}
+        self.bindings: set[tuple[str, str, str]] = set()
+
+    def exchange_declare(self, exchange: str, exchange_type: str = "direct", durable: bool = False) -> None:
+        assert durable
+        self.exchanges[exchange] = exchange_type
+
+    def queue_declare(
+        self, queue: str, durable: bool = False, arguments: dict[str, Any] | None = None
+    ) -> None:
+        assert durable
+        self.queues[queue] = dict(arguments or {})
+
+    def queue_bind(self, queue: str, exchange: str, routing_key: str | None = None) -> None:
+        self.bindings.add((exchange, queue, queue if routing_key is None else routing_key))  # pika's default
+
+
+def test_definitions_declare_exactly_the_topology_the_services_declare() -> None:
+    """Pre-declared, so that no service creates a queue (creating one with a dead-letter exchange
+    needs read on it and write on the DLX, rights only the scheduler holds); the arguments must be
+    the services' own, or their declarations fail with 406 PRECONDITION_FAILED."""
+    ch = _RecordingChannel()
+    rabbit_bus.declare_topology(ch, Settings(_env_file=None))  # type: ignore[arg-type]
+    defs = _definitions()
+    assert {e["name"]: e["type"] for e in defs["exchanges"]} == ch.exchanges
+    assert {q["name"]: q["arguments"] for q in defs["queues"]} == ch.queues
+    assert {(b["source"], b["destination"], b["routing_key"]) for b in defs["bindings"]} == ch.bindings
+    for item in defs["exchanges"] + defs["queues"] + defs["bindings"]:
+        assert item["vhost"] == VHOST
+    for item in defs["exchanges"] + defs["queues"]:
+        assert item["durable"] and not item["auto_delete"], item["name"]
+
+
+# What the bus code does (common/bus/rabbitmq.py), as (permission, resource) pairs.
+BLOB = f"{rabbit_bus.BLOB_PREFIX}{uuid.uuid4().hex}"
+SERVER_NAMED = "amq.gen-JzTY20BRgKO-HjmUJj0wLg"
+WORK_QUEUES = topology.QUEUES
+CONNECT = (
+    # every declaration of the topology at every connect needs configure, existing or not
+    *[("configure", name) for name in (topology.EVENTS, rabbit_bus.DLX, topology.DEAD_LETTERS, *WORK_QUEUES)],
+    # binding fedmq.dead to the DLX: write on the queue, read on the exchange
+    ("write", topology.DEAD_LETTERS), ("read", rabbit_bus.DLX),
+    # the exclusive reply queue, consumed
+    ("configure", SERVER_NAMED), ("read", SERVER_NAMED),
+    # publish through the default exchange (work, requests, replies, dead letters)
+    ("write", "amq.default"),
+    # large messages: declare, read and delete blob queues
+    ("configure", BLOB), ("read", BLOB),
+)
+# Creating a queue with x-dead-letter-exchange (when one is missing): read on it, write on the DLX.
+RECREATE = (*[("read", name) for name in WORK_QUEUES], ("write", rabbit_bus.DLX))
+NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
+    "scheduler": (*CONNECT, *RECREATE, ("read", topology.SCHEDULER), ("write", topology.EVENTS)),
+    "aggregator": (*CONNECT, ("read", topology.AGGREGATOR), ("read", topology.MODEL)),
+    "learner": (*CONNECT, ("read", topology.TASKS)),
+    # `fedmq watch`: an exclusive queue bound to the events exchange
+    "cli": (*CONNECT, ("write", SERVER_NAMED), ("read", topology.EVENTS)),
+}
+MUST_NOT: dict[str, tuple[tuple[str, str], ...]] = {
+    user: (
+        ("read", topology.DEAD_LETTERS),  # dead letters are for the operator
+        ("configure", "fedmq.other"), ("configure", "other"), ("write", "amq.topic"), ("read", "other"),
+        ("write", topology.SCHEDULER),  # binding a queue of one's own to a work queue's name...
+        *[("read", q) for q in WORK_QUEUES if ("read", q) not in NEEDS[user]],  # ...or consuming others' work
+        *((("write", topology.EVENTS), ("write", rabbit_bus.DLX)) if user != "scheduler" else ()),
+        *((("read", topology.EVENTS),) if user != "cli" else ()),
+    )
+    for user in SERVICE_USERS
+}
+
+
+@pytest.mark.parametrize("user", SERVICE_USERS)
+def test_permissions_allow_what_the_service_does_and_no_more(user: str) -> None:
+    perms = _permissions()[user]
+    for kind, resource in NEEDS[user]:
+        assert _allowed(perms[kind], resource), f"{user} lacks {kind} on {resource}"
+    for kind, resource in MUST_NOT[user]:
+        assert not _allowed(perms[kind], resource), f"{user} should not have {kind} on {resource}"
+
+
+def _conf() -> dict[str, str]:
+    pairs = {}
+    for line in RABBITMQ_CONF.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            key, _, value = line.partition("=")
+            pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def test_rabbitmq_conf_outlasts_local_training_and_loads_the_definitions() -> None:
+    conf = _conf()
+    # A learner holds its task unacked while it trains: the timeout must outlast the longest
+    # training the metrics were sized for (the train-time histogram's last bucket), and the default.
+    assert int(conf["consumer_timeout"]) > max(DURATION_BUCKETS) * 1000
+    assert int(conf["consumer_timeout"]) > 30 * 60 * 1000
+    assert conf["load_definitions"] == "/etc/rabbitmq/definitions.json"
+    frame = Settings.model_fields["frame_bytes"].default
+    assert 2 * frame <= int(conf["max_message_size"]) <= 512 * 1024 * 1024
+    plugins = ENABLED_PLUGINS.read_text().strip()
+    assert re.fullmatch(r"\[\s*[a-z_]+(\s*,\s*[a-z_]+)*\s*\]\s*\.", plugins), plugins
+    assert {"rabbitmq_management", "rabbitmq_prometheus"} <= set(re.findall(r"[a-z_]+", plugins))
+
+
+# -- Prometheus and Grafana -------------------------------------------------------------------------
+
+
+def test_promtool_checks_the_prometheus_config() -> None:
+    promtool = _tool("promtool", "prometheus")
+    proc = subprocess.run(
+        [promtool, "check", "config", str(PROMETHEUS)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_prometheus_scrapes_every_service() -> None:
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    assert config["global"]["scrape_interval"] == "5s"
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert jobs["scheduler"]["static_configs"][0]["targets"] == ["scheduler:9100"]
+    assert jobs["aggregator"]["static_configs"][0]["targets"] == ["aggregator:9100"]
+    # Scaled learners are found by DNS: one A record per replica of the compose service.
+    learners = [sd for j in jobs.values() for sd in j.get("dns_sd_configs", [])]
+    names = {n for sd in learners for n in sd["names"]}
+    assert names == {"learner", "learner-gpu0", "learner-gpu1"}
+    assert all(sd["type"] == "A" and sd["port"] == 9100 for sd in learners)
+    assert jobs["rabbitmq"]["static_configs"][0]["targets"] == ["rabbitmq:15692"]
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    data = json.loads(DASHBOARD.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _targets(dashboard: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            yield panel, target
+
+
+def _exprs(dashboard: dict[str, Any]) -> list[str]:
+    exprs = [t["expr"] for _, t in _targets(dashboard)]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    return exprs
+
+
+def test_grafana_provisions_the_datasource_the_dashboard_uses() -> None:
+    (source,) = yaml.safe_load(DATASOURCES.read_text())["datasources"]
+    assert (source["uid"], source["type"]) == (DATASOURCE_UID, "prometheus")
+    assert urlsplit(source["url"]).hostname == "prometheus"
+
+
+def test_dashboard_is_a_grafana_dashboard(dashboard: dict[str, Any]) -> None:
+    assert dashboard["schemaVersion"] >= 36
+    assert dashboard["title"] and dashboard["uid"]
+    assert "id" not in dashboard or dashboard["id"] is None, "provisioned dashboards carry no database id"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
+        assert panel["type"] in {"timeseries", "stat", "gauge", "bargauge", "table", "row"}
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": DATASOURCE_UID}, panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(refs) == len(set(refs)), panel["title"]
+        assert panel.get("description"), f"{panel['title']}: say what the panel means"
+    for panel, target in _targets(dashboard):
+        assert target.get("datasource", panel["datasource"])["uid"] == DATASOURCE_UID
+    (variable,) = dashboard["templating"]["list"]
+    assert variable["name"] == "fl_job"
+    assert variable["datasource"]["uid"] == DATASOURCE_UID
+    assert variable["definition"] == "label_values(fedmq_job_round, fl_job)"
+    assert variable["query"]["query"] == variable["definition"]
+
+
+def test_dashboard_has_the_panels_the_deployment_promises(dashboard: dict[str, Any]) -> None:
+    exprs = "\n".join(_exprs(dashboard))
+    for needed in (
+        'fedmq_global_accuracy_ratio{fl_job=~"$fl_job"}', 'fedmq_global_loss{fl_job=~"$fl_job"}',
+        "fedmq_job_round", "rate(fedmq_rounds_completed_total",
+        "histogram_quantile(0.9, sum by (le) (rate(fedmq_round_duration_seconds_bucket",
+        "fedmq_updates_accepted_total", "sum by (reason) (rate(fedmq_updates_rejected_total",
+        "fedmq_learners_alive", "fedmq_learners_busy", "fedmq_tasks_in_flight",
+        "fedmq_learner_train_seconds_bucket", "fedmq_bus_published_bytes_total",
+        "fedmq_bus_consumed_bytes_total", "fedmq_messages_rejected_total", "by (code)",
+    ):
+        assert needed in exprs, needed
+
+
+def _registered_metric_names() -> set[str]:
+    names = set()
+    for family in Metrics().registry.collect():
+        names.add(family.name)
+        if family.type == "counter":  # prometheus_client drops _total from counter family names
+            names.add(f"{family.name}_total")
+    return names
+
+
+def test_dashboard_uses_only_metrics_fedmq_exports(dashboard: dict[str, Any]) -> None:
+    registered = _registered_metric_names()
+    used = {HISTOGRAM_SUFFIX.sub("", name) for e in _exprs(dashboard) for name in METRIC_NAME.findall(e)}
+    assert used, "no fedmq metric in the dashboard"
+    unknown = sorted(used - registered)
+    assert not unknown, f"not in common/metrics.py: {unknown}"
+    # Histogram series only on histograms, and counters only through rate() or increase().
+    kinds = {f.name: f.type for f in Metrics().registry.collect()}
+    for expr in _exprs(dashboard):
+        for name in METRIC_NAME.findall(expr):
+            if HISTOGRAM_SUFFIX.search(name):
+                assert kinds.get(HISTOGRAM_SUFFIX.sub("", name)) == "histogram", name
+
+
+def _concrete(expr: str) -> str:
+    """A dashboard query as Prometheus would receive it from Grafana."""
+    for variable, value in {
+        "$__rate_interval": "20s", "$__interval": "5s", "$__range": "1h", '"$fl_job"': '".*"',
+    }.items():
+        expr = expr.replace(variable, value)
+    assert "$" not in expr, f"unsubstituted variable in {expr}"
+    return expr
+
+
+def test_every_dashboard_query_parses_as_promql(dashboard: dict[str, Any], tmp_path: Path) -> None:
+    promtool = _tool("promtool", "prometheus")
+    exprs = [t["expr"] for _, t in _targets(dashboard)]
+    rules = {"groups": [{"name": "fedmq_dashboard", "rules": [
+        {"record": f"fedmq:check_{i}", "expr": _concrete(expr)} for i, expr in enumerate(exprs)
+    ]}]}
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump(rules, sort_keys=False))
+    proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in proc.stdout + proc.stderr
+
+
+# -- the image ----------------------------------------------------------------------------------------
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        word, _, rest = line.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_installs_torch_first_and_runs_as_fedmq() -> None:
+    steps = _instructions()
+    assert steps[0][0] == "ARG" and "BASE_IMAGE=python:3.11-slim" in steps[0][1]
+    assert [s for s in steps if s[0] == "FROM"] == [("FROM", "${BASE_IMAGE}")]
+    args = dict(s[1].split("=", 1) for s in steps if s[0] == "ARG" and "=" in s[1])
+    assert args["TORCH_SPEC"] == "torch==2.13.0"
+    assert args["TORCH_INDEX_URL"] in ('""', ""), "the builder chooses the torch index"
+    runs = [s[1] for s in steps if s[0] == "RUN"]
+    torch_step = next(i for i, r in enumerate(runs) if "${TORCH_SPEC}" in r)
+    project = re.compile(r"pip install (/tmp/fedmq-src|\.)( |;|$)")
+    project_step = next(i for i, r in enumerate(runs) if project.search(r))
+    assert torch_step < project_step, "torch must be installed before the project"
+    assert any("--index-url" in r and "${TORCH_INDEX_URL}" in r for r in runs)
+    assert any(s[0] == "COPY" and "examples" in s[1] for s in steps)
+    users = [s[1] for s in steps if s[0] == "USER"]
+    assert users, "the image must not run as root"
+    final_user = users[-1].split(":")[0].replace("${FEDMQ_UID}", args.get("FEDMQ_UID", ""))
+    assert final_user not in {"root", "0", ""}
+    assert final_user in {"fedmq", args.get("FEDMQ_UID")}
+    assert any("useradd" in r and "fedmq" in r for r in runs)
+    assert any("chown fedmq" in r and "/var/lib/fedmq" in r for r in runs)
+    assert ("ENTRYPOINT", '["fedmq"]') in steps
+
+
+def test_no_package_registry_host_is_written_into_the_deployment() -> None:
+    files = [COMPOSE, *(p for p in DEPLOY.rglob("*") if p.is_file())]
+    for path in files:
+        text = path.read_text(errors="replace").lower()
+        for host in ("pypi.org", "download.pytorch.org", "files.pythonhosted", "pythonhosted.org"):
+            assert host not in text, f"{path.relative_to(REPO)} names {host}"
+
+
+# -- the definitions on a real broker -------------------------------------------------------------------
+
+
+TINY_JOB = """\
+name: deploy-permissions
+seed: 1
+model: {name: mlp, hidden: [512]}
+data: {name: digits, partition: {kind: iid}}
+clients: {total: 3}
+rounds: 2
+train: {epochs: 1, batch_size: 64, lr: 0.1}
+round_timeout_s: 120
+"""
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.slow
+def test_services_run_a_job_as_their_own_users(tmp_path: Path) -> None:
+    """definitions.json on a live broker: each service as its own user runs a job end to end.
+
+    The users, the vhost and the topology are imported under unique names and deleted afterwards.
+    A frame size below the model's size makes models and updates travel as blobs, so the blob
+    permissions are exercised too; operations outside each user's rights must be refused.
+    """
+    import pika
+    import pika.exceptions
+
+    from tests.e2e.cluster import Cluster
+    from tests.rabbit import BASE_URL, require_rabbitmq
+
+    require_rabbitmq()
+    suffix = uuid.uuid4().hex[:8]
+    vhost = f"fedmq-deploy-{suffix}"
+    defs = _definitions()
+    names = {u: f"{u}-{suffix}" for u in SERVICE_USERS}  # the administrator is not imported
+    topology_kinds = ("queues", "exchanges", "bindings")
+    imported = {
+        "users": [{**u, "name": names[u["name"]]} for u in defs["users"] if u["name"] in names],
+        "vhosts": [{**v, "name": vhost} for v in defs["vhosts"]],
+        "permissions": [
+            {**p, "user": names[p["user"]], "vhost": vhost} for p in defs["permissions"] if p["user"] in names
+        ],
+        **{kind: [{**item, "vhost": vhost} for item in defs[kind]] for kind in topology_kinds},
+    }
+
+    def ctl(*args: str, stdin: str | None = None) -> str:
+        proc = subprocess.run(
+            ["rabbitmqctl", "-q", *args], input=stdin, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, f"rabbitmqctl {' '.join(args)}: {proc.stdout}{proc.stderr}"
+        return proc.stdout
+
+    # The development passwords, from compose.yaml (the hashes in definitions.json are theirs).
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    passwords = {
+        u: unquote(urlsplit(_env(services[u])["FEDMQ_BROKER_URL"]).password or "") for u in SERVICE_USERS
+    }
+    base = urlsplit(BASE_URL)
+    where = f"{base.hostname}:{base.port or 5672}"
+
+    def url(user: str) -> str:
+        return f"amqp://{names[user]}:{passwords[user]}@{where}/{vhost}"
+
+    try:
+        # From standard input: Debian's rabbitmqctl runs as the rabbitmq user, who cannot read tmp_path.
+        ctl("import_definitions", "--format", "json", stdin=json.dumps(imported))
+        # The import is asynchronous: wait for the permissions and for the binding, imported last.
+        def imported_yet() -> bool:
+            if vhost not in ctl("list_vhosts").split():
+                return False
+            granted = {line.split("\t")[0] for line in ctl("list_permissions", "-p", vhost).splitlines()}
+            bound = ctl("list_bindings", "-p", vhost, "source_name", "destination_name").split()
+            return set(names.values()) <= granted and rabbit_bus.DLX in bound
+
+        deadline = time.monotonic() + 30
+        while not imported_yet():
+            assert time.monotonic() < deadline, "the definitions were not imported within 30 s"
+            time.sleep(0.2)
+        c = Cluster(url("cli"), tmp_path, {"FEDMQ_FRAME_BYTES": "65536"})
+        try:
+            for service in ("scheduler", "aggregator", "learner"):
+                c.start(service, FEDMQ_BROKER_URL=url(service))
+            c.wait_learners(1, timeout=90)
+            spec = tmp_path / "job.yaml"
+            spec.write_text(TINY_JOB)
+            done = c.fedmq("submit", str(spec), "--watch", timeout=240)
+            logs = "\n".join(c.log(s)[-2000:] for s in ("scheduler", "aggregator", "learner"))
+            assert done.returncode == 0, done.stdout + done.stderr + logs
+            for service in ("scheduler", "aggregator", "learner"):
+                assert "ACCESS_REFUSED" not in c.log(service), c.log(service)[-3000:]
+            assert c.stop_all() == {name: 0 for name in c.procs}
+            # Models (aggregator) and updates (learner) travelled as blobs, under the blob permissions.
+            for service in ("aggregator", "learner"):
+                stats = [json.loads(line) for line in c.log(service).splitlines() if '"bus_stats"' in line]
+                assert stats and stats[-1]["blobs_sent"] > 0, c.log(service)[-2000:]
+        finally:
+            for proc in c.procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(10)
+
+        refused = [
+            ("learner", lambda ch: ch.basic_get(topology.DEAD_LETTERS)),
+            ("learner", lambda ch: ch.basic_get(topology.AGGREGATOR)),
+            ("aggregator", lambda ch: ch.basic_get(topology.TASKS)),
+            ("learner", lambda ch: ch.exchange_declare("fedmq.other", exchange_type="topic")),
+            ("aggregator", lambda ch: ch.queue_declare("fedmq.other")),
+            ("cli", lambda ch: ch.basic_get(topology.DEAD_LETTERS)),
+            ("scheduler", lambda ch: ch.queue_bind(topology.TASKS, topology.EVENTS, routing_key="#")),
+        ]
+        for user, operation in refused:
+            conn = pika.BlockingConnection(pika.URLParameters(url(user)))
+            try:
+                with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
+                    operation(conn.channel())
+                assert info.value.reply_code == 403, (user, info.value)
+            finally:
+                conn.close()
+    finally:
+        # Whatever the import got to: remove it all, without masking the test's own failure.
+        for args in (("delete_vhost", vhost), *(("delete_user", name) for name in names.values())):
+            subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60)
+
