@@ -92,8 +92,37 @@ class AggregatorService:
         # Updates bigger than a frame are received straight into files: memory holds one chunk.
         # Files a previous run left half-received belong to messages the broker still holds.
         shutil.rmtree(self.root / "spool", ignore_errors=True)
+        self._resume()
         self.bus.consume(topology.AGGREGATOR, self.on_message, prefetch=1, spool=self.root / "spool")
         self.bus.consume(topology.MODEL, self.on_model_get, prefetch=4)
+
+    def _resume(self) -> None:
+        """Rebuild every job found on disk from its spec, latest checkpoint and round records."""
+        if not self.root.is_dir():
+            return
+        for path in sorted(self.root.iterdir()):
+            store = JobStore(self.root, path.name)
+            spec_json = store.load_spec() if path.is_dir() else None
+            if spec_json is None or not store.rounds():
+                continue
+            job = self._restore(path.name, JobSpec.model_validate_json(spec_json), store)
+            self.jobs[path.name] = job
+            log.info("job_resumed", job=path.name, round=job.round, open_round=job.open_round)
+
+    def _restore(self, job_id: str, spec: JobSpec, store: JobStore) -> AggJob:
+        job = self._assemble(job_id, spec, store)
+        latest = max(store.rounds())
+        weights, extra = store.load_checkpoint(store.rounds()[latest])
+        job.model.load_state_dict(weights)
+        job.strategy.load_state(extra)
+        job.weights, job.digest, job.round = _views(job.model), store.rounds()[latest], latest
+        opened = store.load_json("open")
+        if opened is not None and opened["round"] == latest + 1:
+            job.open_round, job.expected = opened["round"], set(opened["clients"])
+        closed = store.load_json("closed")
+        if closed is not None and closed["round"] == latest:
+            job.last_closed = RoundClosed.model_validate(closed)
+        return job
 
     # -- dispatch -------------------------------------------------------------
 
@@ -156,13 +185,17 @@ class AggregatorService:
         ), seconds=0.0)
 
     def _build_job(self, job_id: str, spec: JobSpec) -> AggJob:
+        store = JobStore(self.root, job_id)
+        job = self._assemble(job_id, spec, store)
+        store.save_spec(canonical_json(spec))
+        job.digest = store.save_checkpoint(0, job.weights, {})
+        log.info("job_created", params=sum(v.numel() for v in job.weights.values()), digest=job.digest[:12])
+        return job
+
+    def _assemble(self, job_id: str, spec: JobSpec, store: JobStore) -> AggJob:
+        """A job's model, data and strategy as built from its spec (initial weights)."""
         data = load_dataset(spec.data, spec.seed)
         model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
-        weights = _views(model)
-        store = JobStore(self.root, job_id)
-        store.save_spec(canonical_json(spec))
-        digest = store.save_checkpoint(0, weights, {})
-        log.info("job_created", params=sum(v.numel() for v in weights.values()), digest=digest[:12])
         return AggJob(
             spec=spec,
             store=store,
@@ -171,14 +204,15 @@ class AggregatorService:
             x_test=torch.tensor(data.x_test),
             y_test=torch.tensor(data.y_test),
             train_size=len(data.y_train),
-            weights=weights,
-            digest=digest,
+            weights=_views(model),
+            digest="",
         )
 
     def open_round(self, msg: RoundOpen) -> None:
         job = self._job(msg.job_id)
         if msg.round != job.round + 1:
             raise ValidationError("stale_round", f"round {msg.round} opened after round {job.round}")
+        job.store.save_json("open", {"round": msg.round, "clients": sorted(msg.clients)})
         job.open_round, job.expected = msg.round, set(msg.clients)
         log.info("round_opened", clients=len(msg.clients))
 
@@ -253,6 +287,7 @@ class AggregatorService:
             update={"test_loss": loss, "test_accuracy": accuracy, "aggregate_seconds": seconds}
         )
         job.last_closed = closed
+        job.store.save_json("closed", closed.model_dump())  # before it is announced
         self._publish(closed)
         log.info("round_closed", accuracy=round(accuracy, 4), loss=round(loss, 4),
                  clients=len(closed.clients), seconds=round(seconds, 4))

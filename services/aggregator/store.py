@@ -3,6 +3,7 @@
     <state>/aggregator/<job>/
         spec.json                      the job spec as the scheduler sent it
         rounds.json                    round → checkpoint digest
+        open.json, closed.json         the open round's clients; the last RoundClosed sent
         checkpoints/<digest>.safetensors
         updates/r<round>/c<client>.msg raw ClientUpdate bodies, until the round closes
 
@@ -20,6 +21,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,6 +48,18 @@ class JobStore:
         if not path.exists():
             return {}
         return {int(k): v for k, v in json.loads(path.read_text()).items()}
+
+    def load_spec(self) -> str | None:
+        path = self.root / "spec.json"
+        return path.read_text() if path.exists() else None
+
+    def save_json(self, name: str, value: dict[str, Any]) -> None:
+        """Small records that let a restarted aggregator pick up: the open round, the last close."""
+        _atomic_write(self.root / f"{name}.json", json.dumps(value).encode())
+
+    def load_json(self, name: str) -> dict[str, Any] | None:
+        path = self.root / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
 
     # -- checkpoints ----------------------------------------------------------
 

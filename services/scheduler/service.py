@@ -8,8 +8,10 @@ visibly so `fedmq watch` can say why.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -43,6 +45,7 @@ from common.settings import Settings
 from services.scheduler.registry import Registry
 from services.scheduler.rounds import Decision, RoundState
 from services.scheduler.sampling import sample_clients
+from services.scheduler.store import JobRows
 
 log = structlog.get_logger("fedmq.scheduler")
 
@@ -70,10 +73,37 @@ class SchedulerService:
         self.metrics = metrics or Metrics()
         self.jobs: dict[str, SchedJob] = {}
         self.registry = Registry(master_node=settings.master_node)
+        self.rows = JobRows(Path(settings.state_dir) / "scheduler" / "jobs.sqlite")
 
     def start(self) -> None:
+        self.rows.open()
+        self._resume()
         self.bus.consume(topology.SCHEDULER, self.on_message, prefetch=8)
         self.bus.call_later(1.0, self._sweep)
+
+    def _resume(self) -> None:
+        """Pick every unfinished job up where the last process left it."""
+        for fields in self.rows.load():
+            job = SchedJob(**fields)
+            self.jobs[job.job_id] = job
+            if job.status != RUNNING:
+                continue
+            log.info("job_resumed", job=job.job_id, round=job.round)
+            if job.state is None:
+                # Created but its initial model never reported: ask again (duplicates are answered).
+                self.bus.call_soon(functools.partial(self._republish_create, job))
+            else:
+                self._arm_deadline(job)
+                if job.state.closing:
+                    self.bus.call_soon(functools.partial(self._republish_close, job))
+
+    def _republish_create(self, job: SchedJob) -> None:
+        self.bus.publish(topology.AGGREGATOR, to_wire(JobCreate(job_id=job.job_id, spec=job.raw_spec)))
+
+    def _republish_close(self, job: SchedJob) -> None:
+        assert job.state is not None
+        close = RoundClose(job_id=job.job_id, round=job.state.round, clients=sorted(job.state.reported))
+        self.bus.publish(topology.AGGREGATOR, to_wire(close))
 
     def _sweep(self) -> None:
         try:
@@ -92,6 +122,8 @@ class SchedulerService:
                 return
             with structlog.contextvars.bound_contextvars(job=msg.job_id, round=getattr(msg, "round", None)):
                 self._handle(msg)
+            if msg.job_id in self.jobs:
+                self.rows.save(self.jobs[msg.job_id])  # durable before the ack
         except (DecodeError, ValidationError) as exc:
             reason = exc.reason if isinstance(exc, ValidationError) else "decode"
             log.warning("message_rejected", reason=reason, detail=str(exc)[:500])
@@ -282,6 +314,7 @@ class SchedulerService:
         job = self.jobs.get(job_id)
         if job and job.status == RUNNING and job.state and job.state.round == server_round:
             self._advance(job)
+            self.rows.save(job)
 
     def _advance(self, job: SchedJob) -> None:
         state = job.state

@@ -1,0 +1,70 @@
+"""The scheduler's durable memory: one SQLite row per job, written before a message is acked.
+
+    jobs(job_id TEXT PRIMARY KEY, data TEXT)   -- data: the job as JSON (spec, status, round,
+                                               -- history, open round's bookkeeping)
+
+Deadlines are kept as wall-clock times so they survive a restart; the process works with
+monotonic ones.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from common.jobspec import parse_job
+from services.scheduler.rounds import RoundState
+
+
+class JobRows:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, data TEXT NOT NULL)")
+
+    def save(self, job: Any) -> None:
+        self._db.execute(
+            "INSERT INTO jobs (job_id, data) VALUES (?, ?) "
+            "ON CONFLICT(job_id) DO UPDATE SET data = excluded.data",
+            (job.job_id, json.dumps(_to_row(job))),
+        )
+
+    def load(self) -> list[dict[str, Any]]:
+        rows = self._db.execute("SELECT data FROM jobs ORDER BY rowid").fetchall()
+        return [_from_row(json.loads(data)) for (data,) in rows]
+
+
+def _to_row(job: Any) -> dict[str, Any]:
+    state = None
+    if job.state is not None:
+        state = asdict(job.state)
+        remaining = job.state.deadline - time.monotonic()
+        state["deadline"] = time.time() + remaining  # wall clock on disk
+        state["started"] = time.time() - (time.monotonic() - job.state.started)
+        state["reported"] = [[c, n] for c, n in job.state.reported.items()]
+        state["failed"] = [[c, r] for c, r in job.state.failed.items()]
+    return {
+        "job_id": job.job_id, "raw_spec": job.raw_spec, "status": job.status, "round": job.round,
+        "model_digest": job.model_digest, "history": job.history, "reason": job.reason, "state": state,
+    }
+
+
+def _from_row(row: dict[str, Any]) -> dict[str, Any]:
+    """Fields for SchedJob(...), with the round state back on the monotonic clock."""
+    state = row.pop("state")
+    if state is not None:
+        state["deadline"] = time.monotonic() + (state["deadline"] - time.time())
+        state["started"] = time.monotonic() - (time.time() - state["started"])
+        state["reported"] = {int(c): int(n) for c, n in state["reported"]}
+        state["failed"] = {int(c): str(r) for c, r in state["failed"]}
+        state = RoundState(**state)
+    return {**row, "spec": parse_job(row["raw_spec"]), "state": state}

@@ -1,0 +1,44 @@
+"""Kill a service with SIGKILL mid-job, start it again: the job resumes and nothing changes."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+from common.checkpoint import load_state
+from common.jobspec import load_job
+from common.settings import Settings
+from services.cli.embedded import run_job
+from tests.conftest import REPO, assert_bit_identical
+from tests.e2e.cluster import Cluster, cluster
+
+
+def job_round(c: Cluster, job_id: str) -> int:
+    proc = c.fedmq("status", job_id, "--json", timeout=60)
+    return json.loads(proc.stdout)[0]["round"] if proc.returncode == 0 else -1
+
+
+def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(tmp_path: Path) -> None:
+    spec = tmp_path / "job.yaml"
+    spec.write_text((REPO / "examples" / "digits.yaml").read_text().replace("rounds: 30", "rounds: 12"))
+    with cluster(tmp_path, learners=2) as c:
+        c.wait_learners(2)
+        job_id = c.fedmq("submit", str(spec)).stdout.strip()
+
+        assert c.wait_for(lambda: job_round(c, job_id) >= 3, timeout=120)
+        c.stop("aggregator", signal.SIGKILL)
+        c.start("aggregator")  # same state directory: it must pick the job up
+
+        assert c.wait_for(lambda: job_round(c, job_id) >= 7, timeout=120)
+        c.stop("scheduler", signal.SIGKILL)
+        c.start("scheduler")
+
+        watched = c.fedmq("watch", job_id, "--json", timeout=300)
+        assert watched.returncode == 0, watched.stderr + c.log("aggregator")[-2000:] + c.log("scheduler")[-2000:]
+        result = json.loads(watched.stdout)
+        assert [h["round"] for h in result["history"]] == list(range(13))
+        assert '"job_resumed"' in c.log("aggregator") and '"job_resumed"' in c.log("scheduler")
+
+    embedded = run_job(load_job(spec), Settings(state_dir=tmp_path / "embedded"))
+    assert_bit_identical(load_state(result["model_path"])[0], load_state(embedded["model_path"])[0])
