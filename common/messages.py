@@ -183,6 +183,7 @@ class StatusReply(Message):
     job_id: str = ""
     jobs: list[dict[str, Any]] = []
     learners: list[dict[str, Any]] = []
+    fleet: dict[str, Any] = {}  # learners alive, busy, and the names of those lost
     error: str | None = None
 
 

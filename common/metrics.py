@@ -53,6 +53,13 @@ class Metrics:
             "fedmq_global_loss", "Test cross-entropy of the latest global model", ["fl_job"], registry=r
         )
         self.current_round = Gauge("fedmq_job_round", "The round a job is in", ["fl_job"], registry=r)
+        self.round_retries = Counter(
+            "fedmq_round_retries_total", "Rounds below quorum at their deadline, dispatched again", registry=r
+        )
+        self.rounds_closed_at_deadline = Counter(
+            "fedmq_rounds_closed_at_deadline_total", "Rounds closed with quorum but not every client",
+            registry=r,
+        )
         self.updates_accepted = Counter(
             "fedmq_updates_accepted_total", "Client updates stored for aggregation", registry=r
         )

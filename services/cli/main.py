@@ -235,6 +235,11 @@ def status(
         sys.stdout.write(json.dumps(reply.jobs, indent=2) + "\n")
         return
     console = Console()
+    fleet = reply.fleet
+    if fleet:
+        lost = fleet["lost"]
+        gone = f", [red]{len(lost)} lost[/] ({', '.join(lost[:5])})" if lost else ""
+        console.print(f"learners: {fleet['alive']} alive, {fleet['busy']} busy{gone}")
     table = Table("job", "status", "round", "accuracy", "reason")
     for job in reply.jobs:
         table.add_row(*job_row(job))
@@ -244,7 +249,8 @@ def status(
         if "reported" in job:
             console.print(
                 f"round {job['round']}: {job['reported']}/{job['sampled']} clients reported, "
-                f"{job['failed_clients']} failed"
+                f"{job['failed_clients']} failed, deadline in {job['deadline_in_s']} s, "
+                f"{job['retries_left']} retries left"
             )
         rounds = Table("round", "clients", "failed", "test acc", "test loss", "train loss", "seconds")
         for h in job.get("history", []):

@@ -147,11 +147,15 @@ class SchedulerService:
                          alive=self.registry.alive_count)
             return
         self.registry.sweep(now)
-        reply = StatusReply(job_id=msg.job_id)
+        rows = self.registry.snapshot(now)
+        fleet = {
+            "alive": sum(r.alive for r in rows),
+            "busy": sum(r.busy for r in rows if r.alive),
+            "lost": [r.learner for r in rows if not r.alive],
+        }
+        reply = StatusReply(job_id=msg.job_id, fleet=fleet)
         if msg.what == "learners":
-            reply = reply.model_copy(
-                update={"learners": [i.as_dict(now) for i in self.registry.snapshot(now)]}
-            )
+            reply = reply.model_copy(update={"learners": [i.as_dict(now) for i in rows]})
         elif msg.what == "job":
             job = self.jobs.get(msg.job_id)
             if job is None:
@@ -181,6 +185,8 @@ class SchedulerService:
             summary["reported"] = len(job.state.reported)
             summary["sampled"] = len(job.state.clients)
             summary["failed_clients"] = len(job.state.failed)
+            summary["retries_left"] = job.state.retries_left
+            summary["deadline_in_s"] = round(job.state.deadline - time.monotonic(), 1)
         if history:
             summary["history"] = job.history
         return summary
@@ -322,6 +328,8 @@ class SchedulerService:
         decision = state.decide(time.monotonic())
         if decision is Decision.CLOSE:
             clients = sorted(state.reported)
+            if len(clients) < len(state.clients):
+                self.metrics.rounds_closed_at_deadline.inc()
             log.info("round_closing", reported=len(clients), sampled=len(state.clients),
                      failed=len(state.failed))
             self.bus.publish(  # first: if it fails, the message that got us here comes again
@@ -334,6 +342,7 @@ class SchedulerService:
         elif decision is Decision.RETRY:
             missing = state.missing
             log.warning("round_retry", missing=len(missing), retries_left=state.retries_left - 1)
+            self.metrics.round_retries.inc()
             try:
                 self._dispatch(job, state.round, missing)
             except Exception:

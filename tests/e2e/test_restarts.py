@@ -35,7 +35,7 @@ def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(tmp_path: Pa
         c.start("scheduler")
 
         watched = c.fedmq("watch", job_id, "--json", timeout=300)
-        assert watched.returncode == 0, watched.stderr + c.log("aggregator")[-2000:] + c.log("scheduler")[-2000:]
+        assert watched.returncode == 0, watched.stderr + c.log("aggregator")[-2000:]
         result = json.loads(watched.stdout)
         assert [h["round"] for h in result["history"]] == list(range(13))
         assert '"job_resumed"' in c.log("aggregator") and '"job_resumed"' in c.log("scheduler")

@@ -1,0 +1,47 @@
+"""A learner that stops answering: the job finishes on the others, and the drop is visible."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+from pathlib import Path
+
+from tests.conftest import REPO
+from tests.e2e.cluster import Cluster, cluster
+from tests.e2e.test_observability import free_port
+
+
+def job_round(c: Cluster, job_id: str) -> int:
+    proc = c.fedmq("status", job_id, "--json", timeout=60)
+    return json.loads(proc.stdout)[0]["round"] if proc.returncode == 0 else -1
+
+
+def test_a_frozen_learner_is_dropped_and_the_job_finishes_on_the_others(tmp_path: Path) -> None:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        (REPO / "examples" / "digits.yaml").read_text().replace("rounds: 30", "rounds: 6")
+        .replace("round_timeout_s: 120", "round_timeout_s: 4").replace("epochs: 5", "epochs: 1")
+    )
+    port = free_port()
+    with cluster(tmp_path, learners=3) as c:
+        c.stop("scheduler")
+        c.start("scheduler", FEDMQ_METRICS_PORT=str(port))
+        c.wait_learners(3)
+        job_id = c.fedmq("submit", str(spec)).stdout.strip()
+        assert c.wait_for(lambda: job_round(c, job_id) >= 2, timeout=120)
+        frozen = c.procs["learner-0"]
+        frozen.send_signal(signal.SIGSTOP)  # alive for the broker, silent for the scheduler
+        try:
+            watched = c.fedmq("watch", job_id, "--json", timeout=300)
+            assert watched.returncode == 0, watched.stderr
+            assert json.loads(watched.stdout)["status"] == "completed"
+            rows = json.loads(c.fedmq("learners", "--json").stdout)
+            lost = [r["learner"] for r in rows if not r["alive"]]
+            status = c.fedmq("status").stdout
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+    assert len(lost) == 1 and lost[0].endswith("/0"), lost
+    assert "1 lost" in status
+    assert "fedmq_learners_alive 2.0" in metrics
