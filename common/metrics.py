@@ -23,7 +23,9 @@ UPDATE_REASONS = (
     "decode", "unknown_job", "stale_round", "unknown_client", "stale_model", "wrong_tensors",
     "wrong_dtype", "wrong_shape", "non_finite", "bad_example_count",
 )
-MESSAGE_REASONS = (*UPDATE_REASONS, "invalid_spec", "unexpected_type", "blob", "handler_error", "other")
+MESSAGE_REASONS = (
+    *UPDATE_REASONS, "invalid_spec", "unexpected_type", "blob", "oversize", "handler_error", "other"
+)
 FAILURE_CODES = ("invalid", "error")
 
 
@@ -106,6 +108,14 @@ class Metrics:
     def traffic(self, direction: str, size: int) -> None:
         """Hook for RabbitBus.on_traffic."""
         (self.bytes_published if direction == "published" else self.bytes_consumed).inc(size)
+
+    def dead_letter_counts(self) -> dict[str, float]:
+        """Non-zero dead-letter counts by reason (for tests and summaries)."""
+        return {
+            s.labels["reason"]: s.value
+            for family in self.messages_rejected.collect() for s in family.samples
+            if s.name.endswith("_total") and s.value
+        }
 
     def serve(self, port: int) -> None:
         """Expose /metrics on `port` (0: don't)."""

@@ -373,6 +373,11 @@ class RabbitBus(Bus):
             _generation=self._generation,
             _blob=headers.get(H_BLOB),
         )
+        if delivery._blob is None and len(body) > self.settings.frame_bytes:
+            # fedmq never sends one: anything this large comes chunked, checked and bounded.
+            log.warning("message_rejected", queue=consumer.queue, reason="oversize", bytes=len(body))
+            delivery.reject(f"oversize: {len(body)} bytes over the {self.settings.frame_bytes}-byte frame")
+            return
         if delivery._blob is not None:
             try:
                 tags = delivery._chunk_tags

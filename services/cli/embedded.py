@@ -56,6 +56,7 @@ class EmbeddedCluster:
         cores = os.cpu_count() or 1
         torch.set_num_threads(self.settings.torch_threads or max(1, cores // (len(self.learners) + 1)))
         for name, service in self._services():
+            service.bus.on_dead_letter = service.metrics.dead_letter
             service.start()
             thread = threading.Thread(target=service.bus.run, name=name, daemon=True)
             thread.start()
@@ -113,6 +114,7 @@ def run_job(
             "model_fetches": [learner.fetches for learner in cluster.learners],
             "tasks_redelivered": sum(learner.redelivered for learner in cluster.learners),
             "reconnects": sum(getattr(s.bus, "reconnects", 0) for _, s in cluster._services()),
+            "dead_letters": _merge([s.metrics.dead_letter_counts() for _, s in cluster._services()]),
         }
     return {
         **counters,
@@ -123,6 +125,14 @@ def run_job(
         **summarize(history),
         "history": history,
     }
+
+
+def _merge(counts: list[dict[str, float]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in counts:
+        for key, value in part.items():
+            out[key] = out.get(key, 0) + int(value)
+    return out
 
 
 def new_job_id(spec: JobSpec) -> str:

@@ -1,0 +1,118 @@
+"""Hostile input published straight to the queues: each piece is refused with its reason and
+counted, and the job in progress finishes with exactly the weights it would have had."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any
+
+import pika
+import torch
+
+from common.bus import topology
+from common.bus.rabbitmq import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE, RabbitBus
+from common.checkpoint import load_state
+from common.messages import ClientUpdate, JobEvent, to_wire
+from common.settings import Settings
+from common.workloads.datasets import load_dataset
+from common.workloads.models import build_model
+from services.cli.embedded import run_job
+from services.scheduler.sampling import sample_clients
+from tests.conftest import assert_bit_identical, small_job
+from tests.integration import slow_plugin
+from tests.rabbit import fresh_vhost
+from tests.reference import reference_fedavg
+
+
+class DoublingBus(RabbitBus):
+    """A learner's bus that sends every update twice, as a redelivery storm would."""
+
+    def publish(self, queue: str, body: bytes, **kwargs: Any) -> None:
+        super().publish(queue, body, **kwargs)
+        if queue == topology.AGGREGATOR:
+            super().publish(queue, body, **kwargs)
+
+
+def hostile_messages(job_id: str, digest: str, spec, client: int) -> list[tuple[str, bytes, dict]]:  # type: ignore[no-untyped-def]
+    data = load_dataset(spec.data, spec.seed)
+    good = build_model(spec.model, data.input_shape, data.num_classes, spec.seed).state_dict()
+    name = next(iter(good))
+
+    def update(**changes: Any) -> bytes:
+        fields: dict[str, Any] = dict(job_id=job_id, task_id="evil", round=2, client=client,
+                                      base_digest=digest, num_examples=10, weights=dict(good))
+        fields.update(changes)
+        return to_wire(ClientUpdate(**fields))
+
+    wrong_shape = {**good, name: torch.zeros(3, 3)}
+    with_nan = {**good, name: torch.full_like(good[name], float("nan"))}
+    valid = update()
+    return [
+        (topology.AGGREGATOR, b"\x00garbage\xff" * 10, {}),
+        (topology.AGGREGATOR, valid[: len(valid) // 2], {}),
+        (topology.AGGREGATOR, to_wire_raw({"v": 1, "type": "client_update", "job_id": job_id}), {}),
+        (topology.AGGREGATOR, update(weights=wrong_shape), {}),
+        (topology.AGGREGATOR, update(weights=with_nan), {}),
+        (topology.AGGREGATOR, update(num_examples=-5), {}),
+        (topology.AGGREGATOR, update(job_id="no-such-job"), {}),
+        (topology.AGGREGATOR, update(round=1), {}),
+        (topology.AGGREGATOR, b"x" * (65 * 1024), {}),  # over the 64 KiB frame, not chunked
+        (topology.SCHEDULER, b"\x92\x01garbage", {}),
+        (topology.TASKS, b"\xc1", {}),
+    ]
+
+
+def to_wire_raw(value: dict[str, Any]) -> bytes:
+    from common import codec
+
+    return codec.packb(value)
+
+
+def publish_hostile(url: str, messages: list[tuple[str, bytes, dict]]) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    for queue, body, headers in messages:
+        ch.basic_publish("", queue, body, pika.BasicProperties(headers=headers or None))
+    # A chunk stream that never completes, and one that claims more than the limit.
+    ch.queue_declare("fedmq.blob.evil", durable=True, arguments={"x-expires": 60_000})
+    ch.basic_publish("", "fedmq.blob.evil", b"a" * 10,
+                     pika.BasicProperties(headers={H_BLOB: "fedmq.blob.evil", H_INDEX: 0, H_COUNT: 2}))
+    digest = hashlib.sha256(b"a" * 20).hexdigest()
+    for size in (20, 10 * 1024**3):
+        ch.basic_publish("", topology.AGGREGATOR, b"", pika.BasicProperties(headers={
+            H_BLOB: "fedmq.blob.evil", H_COUNT: 2, H_SIZE: size, H_DIGEST: digest}))
+    conn.close()
+
+
+def test_hostile_input_is_refused_counted_and_changes_nothing(tmp_path) -> None:
+    spec = small_job(rounds=3, train__entrypoint="tests.integration.slow_plugin:train")
+    last_client = max(sample_clients(spec.seed, 2, spec.clients.total, spec.clients.sampled))
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=64 * 1024, blob_wait_s=0.5)
+        digests: dict[int, str] = {}
+        injected = threading.Event()
+
+        def on_event(event: JobEvent) -> None:
+            if event.kind == "round_completed" and event.round is not None:
+                digests[event.round] = event.data["model_digest"]
+            if event.kind == "round_started" and event.round == 2 and not injected.is_set():
+                injected.set()
+                publish_hostile(url, hostile_messages(event.job_id, digests[1], spec, last_client))
+
+        def connect(name: str) -> RabbitBus:
+            return (DoublingBus if name.startswith("learner") else RabbitBus)(settings, name)
+
+        slow_plugin.SECONDS[0] = 0.4  # the crafted updates land before the real one for their client
+        try:
+            result = run_job(spec, settings, connect=connect, on_event=on_event, idle_timeout=60)
+        finally:
+            slow_plugin.SECONDS[0] = 0.0
+    assert injected.is_set()
+    assert result["status"] == "completed"
+    assert_bit_identical(load_state(result["model_path"])[0], reference_fedavg(spec)["weights"])
+    assert result["dead_letters"] == {
+        "decode": 5,  # garbage, truncated, wrong schema (aggregator); scheduler; learner
+        "wrong_shape": 1, "non_finite": 1, "bad_example_count": 1, "unknown_job": 1,
+        "stale_round": 1, "oversize": 1, "blob": 2,
+    }
