@@ -30,7 +30,7 @@ class Cluster:
 
     def start(self, service: str, name: str | None = None, **env: str) -> subprocess.Popen[bytes]:
         name = name or service
-        log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - appends across restarts
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli.main", service], cwd=REPO, stdout=log,
             stderr=subprocess.STDOUT, env={**self.env, "FEDMQ_STATE_DIR": str(self.root / name), **env},
