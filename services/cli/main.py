@@ -192,7 +192,10 @@ def watch(
             raise typer.Exit(EXIT_USAGE)
         job = reply.jobs[0]
         history = {h["round"]: h for h in job.get("history", [])}
-        final: dict[str, Any] = {"status": job["status"], "reason": job.get("reason")}
+        # A job that already ended is described by the status reply alone.
+        final: dict[str, Any] = {
+            k: job.get(k) for k in ("status", "reason", "model_path") if job.get(k) is not None
+        }
         if job["status"] == "running":
             with RoundProgress(err) as progress:
                 progress.start_job(job["name"], job["rounds"], history.values())

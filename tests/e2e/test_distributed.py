@@ -84,3 +84,17 @@ def test_sigterm_mid_task_returns_the_task_and_the_job_completes_elsewhere(tmp_p
     assert json.loads(watched.stdout)["status"] == "completed"
     assert '"task_trained"' not in c.log("learner-0"), "the stopped learner must not finish"
     assert '"task_redelivered"' in c.log("learner-1")
+
+
+def test_watching_a_job_that_already_ended_reports_its_model(tmp_path: Path) -> None:
+    spec = tmp_path / "short.yaml"
+    spec.write_text((REPO / "examples" / "digits.yaml").read_text().replace("rounds: 30", "rounds: 2"))
+    with cluster(tmp_path, learners=1) as c:
+        c.wait_learners(1)
+        job_id = c.fedmq("submit", str(spec), "--watch").stdout.strip().splitlines()[0]
+        late = c.fedmq("watch", job_id, "--json")  # the job is over before this watcher starts
+    assert late.returncode == 0, late.stderr
+    result = json.loads(late.stdout)
+    assert result["status"] == "completed"
+    assert Path(result["model_path"]).is_file()
+    assert [h["round"] for h in result["history"]] == [0, 1, 2]
