@@ -357,7 +357,7 @@ def decodes_or_refuses(data: bytes) -> None:
         from_wire(data)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(index=st.integers(0, len(ENCODED) - 1), ops=st.lists(mutation, min_size=1, max_size=4))
 def test_a_mutated_encoding_decodes_or_raises_only_decode_error(
     index: int, ops: list[tuple[str, int, int]]
@@ -369,3 +369,30 @@ def test_a_mutated_encoding_decodes_or_raises_only_decode_error(
 @given(data=st.binary(max_size=64))
 def test_random_bytes_decode_or_raise_only_decode_error(data: bytes) -> None:
     decodes_or_refuses(data)
+
+
+_scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20) \
+    | st.binary(max_size=20)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(sorted(SAMPLES)),
+    version=st.sampled_from([1, 1, 1, 0, 2, "1", True, None]),
+    fields=st.dictionaries(
+        st.sampled_from(["job_id", "round", "client", "clients", "weights", "spec", "num_examples",
+                         "metrics", "digest", "kind", "data", "msg_id", "sent_at", "task_id"]),
+        _values, max_size=8,
+    ),
+)
+def test_any_map_with_a_real_type_tag_decodes_or_raises_only_decode_error(
+    kind: str, version: object, fields: dict[str, object]
+) -> None:
+    from common import codec
+
+    decodes_or_refuses(codec.packb({"v": version, "type": kind, **fields}))
