@@ -58,6 +58,9 @@ class Metrics:
         self.round_retries = Counter(
             "fedmq_round_retries_total", "Rounds below quorum at their deadline, dispatched again", registry=r
         )
+        self.tasks_redispatched = Counter(
+            "fedmq_tasks_redispatched_total", "Tasks sent again near their round's deadline", registry=r
+        )
         self.rounds_closed_at_deadline = Counter(
             "fedmq_rounds_closed_at_deadline_total", "Rounds closed with quorum but not every client",
             registry=r,

@@ -50,6 +50,7 @@ from services.scheduler.store import JobRows
 log = structlog.get_logger("fedmq.scheduler")
 
 RUNNING, COMPLETED, FAILED, CANCELLED = "running", "completed", "failed", "cancelled"
+NUDGE_BEFORE = 0.2  # re-dispatch missing tasks when this share of the round's time is left
 
 
 @dataclass
@@ -62,6 +63,7 @@ class SchedJob:
     model_digest: str = ""
     state: RoundState | None = None
     timer: Timer | None = None
+    nudge: Timer | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
 
@@ -309,12 +311,29 @@ class SchedulerService:
             self.bus.publish(topology.TASKS, to_wire(task))
 
     def _arm_deadline(self, job: SchedJob) -> None:
-        if job.timer is not None:
-            job.timer.cancel()
+        for timer in (job.timer, job.nudge):
+            if timer is not None:
+                timer.cancel()
         assert job.state is not None
         delay = max(0.0, job.state.deadline - time.monotonic())
         server_round = job.state.round
         job.timer = self.bus.call_later(delay, lambda: self._on_deadline(job.job_id, server_round))
+        # Near the deadline, tasks still missing go out again with the same ids: a learner that
+        # froze (no broker redelivery yet) should not cost the round its quorum. Duplicates are ignored.
+        nudge_in = delay - NUDGE_BEFORE * job.spec.round_timeout_s
+        if nudge_in > 0:
+            job.nudge = self.bus.call_later(nudge_in, lambda: self._on_nudge(job.job_id, server_round))
+
+    def _on_nudge(self, job_id: str, server_round: int) -> None:
+        job = self.jobs.get(job_id)
+        if not (job and job.status == RUNNING and job.state and job.state.round == server_round):
+            return
+        missing = [c for c in job.state.missing if c not in job.state.failed]
+        if job.state.closing or not missing:
+            return
+        log.info("round_redispatch", round=server_round, missing=len(missing))
+        self.metrics.tasks_redispatched.inc(len(missing))
+        self._dispatch(job, server_round, missing)
 
     def _on_deadline(self, job_id: str, server_round: int) -> None:
         job = self.jobs.get(job_id)
@@ -337,8 +356,9 @@ class SchedulerService:
                 to_wire(RoundClose(job_id=job.job_id, round=state.round, clients=clients)),
             )
             state.closing = True
-            if job.timer is not None:
-                job.timer.cancel()
+            for timer in (job.timer, job.nudge):
+                if timer is not None:
+                    timer.cancel()
         elif decision is Decision.RETRY:
             missing = state.missing
             log.warning("round_retry", missing=len(missing), retries_left=state.retries_left - 1)
@@ -360,8 +380,9 @@ class SchedulerService:
 
     def _finish(self, job: SchedJob, status: str, reason: str, **data: Any) -> None:
         job.status, job.reason = status, reason
-        if job.timer is not None:
-            job.timer.cancel()
+        for timer in (job.timer, job.nudge):
+            if timer is not None:
+                timer.cancel()
         kind: EventKind = {COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled"}[status]  # type: ignore[assignment]
         self._event(job.job_id, kind, round=job.round, data={"reason": reason, **data})
         log.info("job_finished", status=status, reason=reason)

@@ -60,3 +60,24 @@ def test_training_longer_than_three_heartbeats_keeps_the_connection(tmp_path) ->
     assert result["status"] == "completed"
     assert result["reconnects"] == 0
     assert result["tasks_redelivered"] == 0
+
+
+def test_a_task_missing_near_the_deadline_is_sent_again_and_the_round_keeps_every_client(
+    transport: Transport,
+) -> None:
+    from tests.integration import hang_plugin
+
+    spec = small_job(rounds=2, round_timeout_s=3, train__entrypoint="tests.integration.hang_plugin:train")
+    data = load_dataset(spec.data, spec.seed)
+    first_shard = partition(data.y_train, 5, spec.data.partition, spec.seed)[0]
+    hang_plugin.HANG.update(size=len(first_shard), seconds=5)
+    try:
+        result = run_job(spec, transport.settings, learners=2, connect=transport.connect, idle_timeout=60)
+    finally:
+        hang_plugin.reset()
+    assert result["status"] == "completed"
+    first = result["history"][1]
+    assert (first["clients"], first["failed"]) == (5, 0), "the re-sent task, not the deadline, closed it"
+    assert first["seconds"] < spec.round_timeout_s
+    # the hung attempt's update arrives later and changes nothing
+    assert_bit_identical(load_state(result["model_path"])[0], reference_fedavg(spec)["weights"])
