@@ -90,6 +90,7 @@ def run(
 # -- a cluster on RabbitMQ -------------------------------------------------------
 
 EXIT_UNREACHABLE = 3
+WATCH_POLL_S = 15.0  # with no event for this long, `watch` asks the scheduler directly
 
 
 def _remote_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -196,15 +197,28 @@ def watch(
         final: dict[str, Any] = {
             k: job.get(k) for k in ("status", "reason", "model_path") if job.get(k) is not None
         }
+        if final.get("status") == "running":
+            final = {}
         if job["status"] == "running":
             with RoundProgress(err) as progress:
                 progress.start_job(job["name"], job["rounds"], history.values())
-                for event in follower.events():
-                    progress.update(event)
-                    if event.kind == "round_completed" and event.round is not None:
-                        history[event.round] = dict(event.data)
-                    elif event.kind in TERMINAL:
-                        final = {"status": event.kind, **event.data}
+                while final.get("status") not in TERMINAL:
+                    try:
+                        for event in follower.events(idle_timeout=WATCH_POLL_S):
+                            progress.update(event)
+                            if event.kind == "round_completed" and event.round is not None:
+                                history[event.round] = dict(event.data)
+                            elif event.kind in TERMINAL:
+                                final = {"status": event.kind, **event.data}
+                    except TimeoutError:
+                        # Quiet for a while: events are best effort (a reconnect loses some), so
+                        # ask the scheduler how things stand, as a watcher arriving late would.
+                        job = remote.status("job", job_id).jobs[0]
+                        history.update({h["round"]: h for h in job.get("history", [])})
+                        progress.start_job(job["name"], job["rounds"], history.values())
+                        if job["status"] != "running":
+                            final = {k: job.get(k) for k in ("status", "reason", "model_path")
+                                     if job.get(k) is not None}
     rounds = [history[r] for r in sorted(history)]
     result = {"job_id": job_id, "name": job["name"], **final, **summarize(rounds), "history": rounds}
     if json_out:
