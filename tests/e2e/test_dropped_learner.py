@@ -17,6 +17,15 @@ def job_round(c: Cluster, job_id: str) -> int:
     return json.loads(proc.stdout)[0]["round"] if proc.returncode == 0 else -1
 
 
+def lost_learners(c: Cluster) -> list[str]:
+    proc = c.fedmq("learners", "--json")
+    return [r["learner"] for r in json.loads(proc.stdout) if not r["alive"]] if proc.returncode == 0 else []
+
+
+def scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
 def test_a_frozen_learner_is_dropped_and_the_job_finishes_on_the_others(tmp_path: Path) -> None:
     spec = tmp_path / "job.yaml"
     spec.write_text(
@@ -36,12 +45,12 @@ def test_a_frozen_learner_is_dropped_and_the_job_finishes_on_the_others(tmp_path
             watched = c.fedmq("watch", job_id, "--json", timeout=300)
             assert watched.returncode == 0, watched.stderr
             assert json.loads(watched.stdout)["status"] == "completed"
-            rows = json.loads(c.fedmq("learners", "--json").stdout)
-            lost = [r["learner"] for r in rows if not r["alive"]]
+            # Declared lost after 3 silent heartbeat intervals, however fast the job ended.
+            assert c.wait_for(lambda: len(lost_learners(c)) == 1, timeout=30)
+            lost = lost_learners(c)
             status = c.fedmq("status").stdout
-            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            assert c.wait_for(lambda: "fedmq_learners_alive 2.0" in scrape(port), timeout=10)
         finally:
             frozen.send_signal(signal.SIGCONT)
     assert len(lost) == 1 and lost[0].endswith("/0"), lost
     assert "1 lost" in status
-    assert "fedmq_learners_alive 2.0" in metrics
