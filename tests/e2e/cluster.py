@@ -57,6 +57,14 @@ class Cluster:
             time.sleep(0.5)
         raise TimeoutError(f"only {len(rows)} of {count} learners registered; logs in {self.root}")
 
+    def job_round(self, job_id: str) -> int:
+        """The round a job is in, per `fedmq status`; -1 while the scheduler cannot answer."""
+        proc = self.fedmq("status", job_id, "--json", timeout=60)
+        try:
+            return int(json.loads(proc.stdout)[0]["round"]) if proc.returncode == 0 else -1
+        except (ValueError, KeyError, IndexError):
+            return -1
+
     def learner_rows(self) -> list[dict[str, Any]]:
         proc = self.fedmq("learners", "--json", timeout=30)
         return json.loads(proc.stdout) if proc.returncode == 0 else []

@@ -20,7 +20,7 @@ from common.jobspec import load_job
 from common.settings import Settings
 from services.cli.embedded import run_job
 from tests.conftest import REPO, assert_bit_identical
-from tests.e2e.cluster import Cluster, cluster
+from tests.e2e.cluster import cluster
 from tests.rabbit import dead_letters
 
 SEED = int(os.environ.get("FEDMQ_CHAOS_SEED", "7"))
@@ -28,12 +28,6 @@ LEARNERS = 3
 BUDGET_S = 240.0
 
 
-def job_round(c: Cluster, job_id: str) -> int:
-    proc = c.fedmq("status", job_id, "--json", timeout=60)
-    try:
-        return int(json.loads(proc.stdout)[0]["round"]) if proc.returncode == 0 else -1
-    except (ValueError, KeyError, IndexError):
-        return -1
 
 
 def test_the_example_job_survives_seeded_chaos(tmp_path: Path) -> None:
@@ -50,7 +44,7 @@ def test_the_example_job_survives_seeded_chaos(tmp_path: Path) -> None:
         job_id = c.fedmq("submit", str(spec_path)).stdout.strip()
         for at_round, action in plan:
             remaining = deadline - time.monotonic()
-            assert c.wait_for(lambda r=at_round: job_round(c, job_id) >= r, timeout=max(1.0, remaining)), (
+            assert c.wait_for(lambda r=at_round: c.job_round(job_id) >= r, timeout=max(1.0, remaining)), (
                 f"stuck before round {at_round} after {done}"
             )
             time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside the round

@@ -12,11 +12,6 @@ from tests.e2e.cluster import Cluster, cluster
 from tests.e2e.test_observability import free_port
 
 
-def job_round(c: Cluster, job_id: str) -> int:
-    proc = c.fedmq("status", job_id, "--json", timeout=60)
-    return json.loads(proc.stdout)[0]["round"] if proc.returncode == 0 else -1
-
-
 def lost_learners(c: Cluster) -> list[str]:
     proc = c.fedmq("learners", "--json")
     return [r["learner"] for r in json.loads(proc.stdout) if not r["alive"]] if proc.returncode == 0 else []
@@ -38,7 +33,7 @@ def test_a_frozen_learner_is_dropped_and_the_job_finishes_on_the_others(tmp_path
         c.start("scheduler", FEDMQ_METRICS_PORT=str(port))
         c.wait_learners(3)
         job_id = c.fedmq("submit", str(spec)).stdout.strip()
-        assert c.wait_for(lambda: job_round(c, job_id) >= 2, timeout=120)
+        assert c.wait_for(lambda: c.job_round(job_id) >= 2, timeout=120)
         frozen = c.procs["learner-0"]
         frozen.send_signal(signal.SIGSTOP)  # alive for the broker, silent for the scheduler
         try:

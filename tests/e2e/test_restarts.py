@@ -11,12 +11,7 @@ from common.jobspec import load_job
 from common.settings import Settings
 from services.cli.embedded import run_job
 from tests.conftest import REPO, assert_bit_identical
-from tests.e2e.cluster import Cluster, cluster
-
-
-def job_round(c: Cluster, job_id: str) -> int:
-    proc = c.fedmq("status", job_id, "--json", timeout=60)
-    return json.loads(proc.stdout)[0]["round"] if proc.returncode == 0 else -1
+from tests.e2e.cluster import cluster
 
 
 def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(tmp_path: Path) -> None:
@@ -26,11 +21,11 @@ def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(tmp_path: Pa
         c.wait_learners(2)
         job_id = c.fedmq("submit", str(spec)).stdout.strip()
 
-        assert c.wait_for(lambda: job_round(c, job_id) >= 3, timeout=120)
+        assert c.wait_for(lambda: c.job_round(job_id) >= 3, timeout=120)
         c.stop("aggregator", signal.SIGKILL)
         c.start("aggregator")  # same state directory: it must pick the job up
 
-        assert c.wait_for(lambda: job_round(c, job_id) >= 7, timeout=120)
+        assert c.wait_for(lambda: c.job_round(job_id) >= 7, timeout=120)
         c.stop("scheduler", signal.SIGKILL)
         c.start("scheduler")
 
