@@ -25,8 +25,14 @@ class JobFollower:
         self._thread = threading.Thread(target=bus.run, name="follow", daemon=True)
 
     def start(self) -> JobFollower:
-        self.bus.subscribe(topology.job_topic(self.job_id), self._on_event)
+        """Subscribe and run the bus on a thread of our own."""
+        self.attach()
         self._thread.start()
+        return self
+
+    def attach(self) -> JobFollower:
+        """Subscribe on a bus that some other thread already runs."""
+        self.bus.subscribe(topology.job_topic(self.job_id), self._on_event)
         return self
 
     def _on_event(self, body: bytes) -> None:

@@ -60,9 +60,7 @@ class Remote:
 
     def follow(self, job_id: str) -> JobFollower:
         """Events of one job, subscribed on this connection (started before anything is asked)."""
-        follower = JobFollower(self.bus, job_id)
-        self.bus.subscribe(topology.job_topic(job_id), follower._on_event)
-        return follower
+        return JobFollower(self.bus, job_id).attach()
 
 
 def job_row(job: dict[str, Any]) -> list[str]:
