@@ -69,7 +69,7 @@ def test_sigterm_mid_task_returns_the_task_and_the_job_completes_elsewhere(tmp_p
     spec.write_text(
         (REPO / "examples" / "digits.yaml").read_text()
         .replace("rounds: 30", "rounds: 1").replace("total: 10, per_round: 10, min_fit: 8", "total: 2")
-        .replace("optimizer: sgd", "optimizer: sgd, entrypoint: 'tests.integration.slow_plugin:train'")
+        .replace("optimizer: sgd", "optimizer: sgd, entrypoint: 'tests.integration.train_plugins:slow'")
     )
     with cluster(tmp_path, learners=1, FEDMQ_TEST_TRAIN_SLEEP_S="3") as c:
         c.wait_learners(1)

@@ -12,7 +12,7 @@ from common.workloads.partition import partition
 from services.aggregator.evaluation import evaluate
 from services.cli.embedded import run_job
 from tests.conftest import assert_bit_identical, small_job
-from tests.integration import faulty_plugin
+from tests.integration import train_plugins
 from tests.reference import reference_fedavg
 
 
@@ -102,15 +102,15 @@ def test_a_users_plugin_model_dataset_and_trainer_run_end_to_end(settings: Setti
 
 def test_a_failing_client_leaves_the_round_to_close_at_quorum(settings: Settings) -> None:
     spec = small_job(
-        clients__min_fit=4, train__entrypoint="tests.integration.faulty_plugin:train", rounds=2
+        clients__min_fit=4, train__entrypoint="tests.integration.train_plugins:failing", rounds=2
     )
     data = load_dataset(spec.data, spec.seed)
     parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
-    faulty_plugin.FAIL_SIZE[0] = len(parts[0])
+    train_plugins.FAIL_SIZE[0] = len(parts[0])
     try:
         result = run_job(spec, settings, idle_timeout=60)
     finally:
-        faulty_plugin.FAIL_SIZE[0] = -1
+        train_plugins.FAIL_SIZE[0] = -1
     assert result["status"] == "completed"
     assert [h["clients"] for h in result["history"][1:]] == [4, 4]
     assert [h["failed"] for h in result["history"][1:]] == [1, 1]
@@ -118,15 +118,15 @@ def test_a_failing_client_leaves_the_round_to_close_at_quorum(settings: Settings
 
 def test_a_round_below_quorum_fails_the_job_with_a_reason(settings: Settings) -> None:
     spec = small_job(
-        clients__min_fit=5, max_round_retries=1, train__entrypoint="tests.integration.faulty_plugin:train"
+        clients__min_fit=5, max_round_retries=1, train__entrypoint="tests.integration.train_plugins:failing"
     )
     data = load_dataset(spec.data, spec.seed)
     parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
-    faulty_plugin.FAIL_SIZE[0] = len(parts[0])
+    train_plugins.FAIL_SIZE[0] = len(parts[0])
     try:
         result = run_job(spec, settings, idle_timeout=60)
     finally:
-        faulty_plugin.FAIL_SIZE[0] = -1
+        train_plugins.FAIL_SIZE[0] = -1
     assert result["status"] == "failed"
     assert "quorum is 5" in result["reason"]
     assert "simulated out-of-memory" in result["reason"]

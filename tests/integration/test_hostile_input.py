@@ -20,7 +20,7 @@ from common.workloads.models import build_model
 from services.cli.embedded import run_job
 from services.scheduler.sampling import sample_clients
 from tests.conftest import assert_bit_identical, small_job
-from tests.integration import slow_plugin
+from tests.integration import train_plugins
 from tests.rabbit import fresh_vhost
 from tests.reference import reference_fedavg
 
@@ -86,7 +86,7 @@ def publish_hostile(url: str, messages: list[tuple[str, bytes, dict]]) -> None:
 
 
 def test_hostile_input_is_refused_counted_and_changes_nothing(tmp_path) -> None:
-    spec = small_job(rounds=3, train__entrypoint="tests.integration.slow_plugin:train")
+    spec = small_job(rounds=3, train__entrypoint="tests.integration.train_plugins:slow")
     last_client = max(sample_clients(spec.seed, 2, spec.clients.total, spec.clients.sampled))
     with fresh_vhost() as url:
         settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=64 * 1024, blob_wait_s=0.5)
@@ -103,11 +103,11 @@ def test_hostile_input_is_refused_counted_and_changes_nothing(tmp_path) -> None:
         def connect(name: str) -> RabbitBus:
             return (DoublingBus if name.startswith("learner") else RabbitBus)(settings, name)
 
-        slow_plugin.SECONDS[0] = 0.4  # the crafted updates land before the real one for their client
+        train_plugins.SECONDS[0] = 0.4  # the crafted updates land before the real one for their client
         try:
             result = run_job(spec, settings, connect=connect, on_event=on_event, idle_timeout=60)
         finally:
-            slow_plugin.SECONDS[0] = 0.0
+            train_plugins.SECONDS[0] = 0.0
     assert injected.is_set()
     assert result["status"] == "completed"
     assert_bit_identical(load_state(result["model_path"])[0], reference_fedavg(spec)["weights"])

@@ -11,7 +11,7 @@ from common.workloads.datasets import load_dataset
 from common.workloads.partition import partition
 from services.cli.embedded import run_job
 from tests.conftest import assert_bit_identical, small_job
-from tests.integration import faulty_plugin, slow_plugin
+from tests.integration import train_plugins
 from tests.integration.conftest import Transport
 from tests.rabbit import fresh_vhost
 from tests.reference import reference_fedavg
@@ -36,13 +36,14 @@ def test_global_weights_cross_the_bus_once_per_learner_per_round(transport: Tran
 
 
 def test_a_failing_client_is_reported_and_the_round_closes_at_quorum(transport: Transport) -> None:
-    spec = small_job(clients__min_fit=4, rounds=2, train__entrypoint="tests.integration.faulty_plugin:train")
+    failing = "tests.integration.train_plugins:failing"
+    spec = small_job(clients__min_fit=4, rounds=2, train__entrypoint=failing)
     data = load_dataset(spec.data, spec.seed)
-    faulty_plugin.FAIL_SIZE[0] = len(partition(data.y_train, 5, spec.data.partition, spec.seed)[0])
+    train_plugins.FAIL_SIZE[0] = len(partition(data.y_train, 5, spec.data.partition, spec.seed)[0])
     try:
         result = run_job(spec, transport.settings, connect=transport.connect, idle_timeout=60)
     finally:
-        faulty_plugin.FAIL_SIZE[0] = -1
+        train_plugins.FAIL_SIZE[0] = -1
     assert result["status"] == "completed"
     assert [(h["clients"], h["failed"]) for h in result["history"][1:]] == [(4, 1), (4, 1)]
 
@@ -50,13 +51,13 @@ def test_a_failing_client_is_reported_and_the_round_closes_at_quorum(transport: 
 def test_training_longer_than_three_heartbeats_keeps_the_connection(tmp_path) -> None:
     with fresh_vhost() as url:
         settings = Settings(broker_url=url, state_dir=tmp_path, heartbeat_s=1)
-        spec = small_job(clients__total=2, rounds=1, train__entrypoint="tests.integration.slow_plugin:train")
-        slow_plugin.SECONDS[0] = 4.0  # > 3 heartbeat intervals of 1 s, per task
+        spec = small_job(clients__total=2, rounds=1, train__entrypoint="tests.integration.train_plugins:slow")
+        train_plugins.SECONDS[0] = 4.0  # > 3 heartbeat intervals of 1 s, per task
         try:
             result = run_job(spec, settings, connect=lambda name: RabbitBus(settings, name),
                              idle_timeout=60)
         finally:
-            slow_plugin.SECONDS[0] = 0.0
+            train_plugins.SECONDS[0] = 0.0
     assert result["status"] == "completed"
     assert result["reconnects"] == 0
     assert result["tasks_redelivered"] == 0
@@ -65,16 +66,15 @@ def test_training_longer_than_three_heartbeats_keeps_the_connection(tmp_path) ->
 def test_a_task_missing_near_the_deadline_is_sent_again_and_the_round_keeps_every_client(
     transport: Transport,
 ) -> None:
-    from tests.integration import hang_plugin
-
-    spec = small_job(rounds=2, round_timeout_s=3, train__entrypoint="tests.integration.hang_plugin:train")
+    hang_once = "tests.integration.train_plugins:hang_once"
+    spec = small_job(rounds=2, round_timeout_s=3, train__entrypoint=hang_once)
     data = load_dataset(spec.data, spec.seed)
     first_shard = partition(data.y_train, 5, spec.data.partition, spec.seed)[0]
-    hang_plugin.HANG.update(size=len(first_shard), seconds=5)
+    train_plugins.HANG.update(size=len(first_shard), seconds=5)
     try:
         result = run_job(spec, transport.settings, learners=2, connect=transport.connect, idle_timeout=60)
     finally:
-        hang_plugin.reset()
+        train_plugins.reset()
     assert result["status"] == "completed"
     first = result["history"][1]
     assert (first["clients"], first["failed"]) == (5, 0), "the re-sent task, not the deadline, closed it"
