@@ -55,7 +55,7 @@ class EmbeddedCluster:
         # 2x slower rounds on 2 cores). Give each learner its share unless told otherwise.
         cores = os.cpu_count() or 1
         torch.set_num_threads(self.settings.torch_threads or max(1, cores // (len(self.learners) + 1)))
-        for name, service in self._services():
+        for name, service in self.services():
             service.bus.on_dead_letter = service.metrics.dead_letter
             service.start()
             thread = threading.Thread(target=service.bus.run, name=name, daemon=True)
@@ -68,12 +68,12 @@ class EmbeddedCluster:
     ) -> None:
         for learner in self.learners:
             learner.shutdown()
-        for _, service in self._services():
+        for _, service in self.services():
             service.bus.stop()
         for thread in self._threads:
             thread.join(timeout=10)
 
-    def _services(self) -> list[tuple[str, SchedulerService | AggregatorService | LearnerService]]:
+    def services(self) -> list[tuple[str, SchedulerService | AggregatorService | LearnerService]]:
         return [
             ("scheduler", self.scheduler),
             ("aggregator", self.aggregator),
@@ -113,8 +113,8 @@ def run_job(
         counters = {
             "model_fetches": [learner.fetches for learner in cluster.learners],
             "tasks_redelivered": sum(learner.redelivered for learner in cluster.learners),
-            "reconnects": sum(getattr(s.bus, "reconnects", 0) for _, s in cluster._services()),
-            "dead_letters": _merge([s.metrics.dead_letter_counts() for _, s in cluster._services()]),
+            "reconnects": sum(getattr(s.bus, "reconnects", 0) for _, s in cluster.services()),
+            "dead_letters": _merge([s.metrics.dead_letter_counts() for _, s in cluster.services()]),
         }
     return {
         **counters,
