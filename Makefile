@@ -29,8 +29,8 @@ tools:
 	@scripts/ensure-tools.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check common services tests benchmarks examples
-	$(BIN)/mypy common services
+	$(BIN)/ruff check fedmq common services tests benchmarks examples
+	$(BIN)/mypy -p fedmq
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/codec.py

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msgpack  # noqa: E402
 import torch  # noqa: E402
 
-from common.codec import decode_state, encode_state, state_digest  # noqa: E402
+from fedmq.common.codec import decode_state, encode_state, state_digest  # noqa: E402
 
 
 def best_seconds(action: Callable[[], Any], repeats: int) -> float:

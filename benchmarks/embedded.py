@@ -24,10 +24,10 @@ sys.path.insert(0, str(REPO))
 
 def child_fedmq(job: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The whole job through scheduler, aggregator and learner on the in-memory bus."""
-    from common.jobspec import load_job
-    from common.logging import configure_logging
-    from common.settings import Settings
-    from services.cli.embedded import run_job
+    from fedmq.common.jobspec import load_job
+    from fedmq.common.logging import configure_logging
+    from fedmq.common.settings import Settings
+    from fedmq.services.cli.embedded import run_job
 
     configure_logging("json", "warning")
     spec = load_job(job, overrides)
@@ -47,7 +47,7 @@ def child_fedmq(job: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 def child_plain(job: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The same training and FedAvg maths in one loop: no bus, no services, no disk."""
-    from common.jobspec import load_job
+    from fedmq.common.jobspec import load_job
     from tests.reference import reference_fedavg
 
     started = time.perf_counter()

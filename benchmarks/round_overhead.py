@@ -22,12 +22,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common.jobspec import JobSpec, load_job  # noqa: E402
-from common.logging import configure_logging  # noqa: E402
-from common.messages import JobEvent, JobSubmit  # noqa: E402
-from common.settings import Settings  # noqa: E402
-from services.cli.embedded import new_job_id, run_job  # noqa: E402
-from services.cli.remote import Remote  # noqa: E402
+from fedmq.common.jobspec import JobSpec, load_job  # noqa: E402
+from fedmq.common.logging import configure_logging  # noqa: E402
+from fedmq.common.messages import JobEvent, JobSubmit  # noqa: E402
+from fedmq.common.settings import Settings  # noqa: E402
+from fedmq.services.cli.embedded import new_job_id, run_job  # noqa: E402
+from fedmq.services.cli.remote import Remote  # noqa: E402
 from tests.e2e.cluster import cluster  # noqa: E402
 from tests.reference import reference_fedavg  # noqa: E402
 

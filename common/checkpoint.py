@@ -2,7 +2,7 @@
 
 Load a trained model anywhere torch and fedmq are installed:
 
-    from common.checkpoint import load_model
+    from fedmq.common.checkpoint import load_model
     model = load_model(".fedmq/jobs/<job>/model.safetensors")   # an nn.Module, eval mode
 
 or just the tensors, without fedmq: `safetensors.torch.load_file(path)`.
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.errors import DecodeError
+from fedmq.common.errors import DecodeError
 
 if TYPE_CHECKING:
     import torch
@@ -59,9 +59,9 @@ def save_model(path: str | Path, state: Mapping[str, torch.Tensor], spec_json: s
 
 def load_model(path: str | Path) -> torch.nn.Module:
     """Rebuild the job's network from the spec stored in the file and load its weights."""
-    from common.jobspec import JobSpec
-    from common.workloads.datasets import load_dataset
-    from common.workloads.models import build_model
+    from fedmq.common.jobspec import JobSpec
+    from fedmq.common.workloads.datasets import load_dataset
+    from fedmq.common.workloads.models import build_model
 
     state, metadata = load_state(path)
     if SPEC_KEY not in metadata:

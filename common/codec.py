@@ -43,7 +43,7 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 
-from common.errors import DecodeError
+from fedmq.common.errors import DecodeError
 
 if TYPE_CHECKING:
     import torch

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from common.errors import ConfigError
+from fedmq.common.errors import ConfigError
 
 ENTRYPOINT = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import structlog
 
-from common.bus.rabbitmq import RabbitBus
+from fedmq.common.bus.rabbitmq import RabbitBus
 
 log = structlog.get_logger("fedmq.lifecycle")
 

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
-from common import codec
-from common.errors import DecodeError
+from fedmq.common import codec
+from fedmq.common.errors import DecodeError
 
 SCHEMA_VERSION = 1
 M = TypeVar("M", bound="Message")

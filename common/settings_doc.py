@@ -1,6 +1,6 @@
 """The README's configuration table, rendered from the Settings class so the two cannot drift.
 
-`python -m common.settings_doc` prints it; `--write README.md` replaces the table between
+`python -m fedmq.common.settings_doc` prints it; `--write README.md` replaces the table between
 the markers in place. A test fails when the README's copy differs.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common.settings import Settings
+from fedmq.common.settings import Settings
 
 BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
 

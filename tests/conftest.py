@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from common.jobspec import JobSpec, parse_job
-from common.settings import Settings
+from fedmq.common.jobspec import JobSpec, parse_job
+from fedmq.common.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 

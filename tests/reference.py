@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 
-from common.jobspec import JobSpec
-from common.seeding import torch_generator
-from common.workloads.datasets import load_dataset
-from common.workloads.models import build_model
-from common.workloads.partition import partition
-from services.aggregator.evaluation import evaluate
-from services.aggregator.strategies import ClientResult, build_strategy
-from services.learner.training import train_local
-from services.scheduler.sampling import sample_clients
+from fedmq.common.jobspec import JobSpec
+from fedmq.common.seeding import torch_generator
+from fedmq.common.workloads.datasets import load_dataset
+from fedmq.common.workloads.models import build_model
+from fedmq.common.workloads.partition import partition
+from fedmq.services.aggregator.evaluation import evaluate
+from fedmq.services.aggregator.strategies import ClientResult, build_strategy
+from fedmq.services.learner.training import train_local
+from fedmq.services.scheduler.sampling import sample_clients
 
 
 def reference_fedavg(spec: JobSpec) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from common.bus.base import Bus, Delivery, EventHandler, Handler, Timer, topic_matches
+from fedmq.common.bus.base import Bus, Delivery, EventHandler, Handler, Timer, topic_matches
 
 log = structlog.get_logger(__name__)
 

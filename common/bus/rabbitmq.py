@@ -37,10 +37,10 @@ import pika.exceptions
 import structlog
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
-from common.bus import topology
-from common.bus.base import Bus, Delivery, EventHandler, Handler, Timer
-from common.errors import BrokerUnavailable
-from common.settings import Settings
+from fedmq.common.bus import topology
+from fedmq.common.bus.base import Bus, Delivery, EventHandler, Handler, Timer
+from fedmq.common.errors import BrokerUnavailable
+from fedmq.common.settings import Settings
 
 log = structlog.get_logger("fedmq.bus")
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ConfigError
-from common.jobspec import DataSpec
-from common.seeding import numpy_rng
-from common.workloads.plugins import check_arguments, load_entrypoint
+from fedmq.common.errors import ConfigError
+from fedmq.common.jobspec import DataSpec
+from fedmq.common.seeding import numpy_rng
+from fedmq.common.workloads.plugins import check_arguments, load_entrypoint
 
 
 @dataclass(frozen=True)

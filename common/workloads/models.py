@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.errors import ConfigError
-from common.jobspec import ModelSpec
-from common.seeding import derive_seed
-from common.workloads.plugins import check_arguments, load_entrypoint
+from fedmq.common.errors import ConfigError
+from fedmq.common.jobspec import ModelSpec
+from fedmq.common.seeding import derive_seed
+from fedmq.common.workloads.plugins import check_arguments, load_entrypoint
 
 
 def build_model(

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.errors import ConfigError
-from common.jobspec import DirichletPartition, IidPartition, ShardsPartition
-from common.seeding import numpy_rng
+from fedmq.common.errors import ConfigError
+from fedmq.common.jobspec import DirichletPartition, IidPartition, ShardsPartition
+from fedmq.common.seeding import numpy_rng
 
 PartitionSpec = IidPartition | DirichletPartition | ShardsPartition
 

@@ -18,14 +18,14 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from common.errors import ConfigError
+from fedmq.common.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from common.jobspec import TrainSpec
-    from common.workloads.datasets import Dataset
+    from fedmq.common.jobspec import TrainSpec
+    from fedmq.common.workloads.datasets import Dataset
 
 
 class ModelBuilder(Protocol):

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.jobspec import TrainSpec
-from common.seeding import numpy_rng
-from common.workloads.datasets import Dataset, stratified_split
+from fedmq.common.jobspec import TrainSpec
+from fedmq.common.seeding import numpy_rng
+from fedmq.common.workloads.datasets import Dataset, stratified_split
 
 
 def build(input_shape: tuple[int, ...], num_classes: int, width: int = 32) -> nn.Module:

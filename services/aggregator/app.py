@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from common.bus.rabbitmq import RabbitBus
-from common.lifecycle import limit_torch_threads, serve
-from common.metrics import Metrics
-from common.settings import Settings
-from services.aggregator.service import AggregatorService
+from fedmq.common.bus.rabbitmq import RabbitBus
+from fedmq.common.lifecycle import limit_torch_threads, serve
+from fedmq.common.metrics import Metrics
+from fedmq.common.settings import Settings
+from fedmq.services.aggregator.service import AggregatorService
 
 
 def main(settings: Settings) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from common.errors import AggregationError
+from fedmq.common.errors import AggregationError
 
 StateDict = dict[str, torch.Tensor]
 

@@ -18,12 +18,12 @@ import structlog
 import torch
 from torch import nn
 
-from common.bus import topology
-from common.bus.base import Bus, Delivery
-from common.checkpoint import save_model
-from common.errors import DecodeError, FedmqError, ValidationError
-from common.jobspec import JobSpec, canonical_json, parse_job
-from common.messages import (
+from fedmq.common.bus import topology
+from fedmq.common.bus.base import Bus, Delivery
+from fedmq.common.checkpoint import save_model
+from fedmq.common.errors import DecodeError, FedmqError, ValidationError
+from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
+from fedmq.common.messages import (
     ClientUpdate,
     JobCreate,
     JobFailed,
@@ -39,14 +39,14 @@ from common.messages import (
     from_wire_file,
     to_wire,
 )
-from common.metrics import Metrics, reason_label
-from common.settings import Settings
-from common.workloads.datasets import load_dataset
-from common.workloads.models import build_model
-from services.aggregator.evaluation import evaluate
-from services.aggregator.store import JobStore
-from services.aggregator.strategies import ClientResult, Strategy, build_strategy
-from services.aggregator.validation import check_update
+from fedmq.common.metrics import Metrics, reason_label
+from fedmq.common.settings import Settings
+from fedmq.common.workloads.datasets import load_dataset
+from fedmq.common.workloads.models import build_model
+from fedmq.services.aggregator.evaluation import evaluate
+from fedmq.services.aggregator.store import JobStore
+from fedmq.services.aggregator.strategies import ClientResult, Strategy, build_strategy
+from fedmq.services.aggregator.validation import check_update
 
 log = structlog.get_logger("fedmq.aggregator")
 

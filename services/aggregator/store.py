@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from common import codec
-from common.checkpoint import load_state, save_state
-from common.messages import ClientUpdate
-from services.aggregator.strategies import ClientResult
+from fedmq.common import codec
+from fedmq.common.checkpoint import load_state, save_state
+from fedmq.common.messages import ClientUpdate
+from fedmq.services.aggregator.strategies import ClientResult
 
 
 class JobStore:

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import torch
 
-from common.errors import ValidationError
-from common.messages import ClientUpdate
+from fedmq.common.errors import ValidationError
+from fedmq.common.messages import ClientUpdate
 
 
 def check_update(update: ClientUpdate, reference: Mapping[str, torch.Tensor], max_examples: int) -> None:

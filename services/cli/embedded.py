@@ -14,17 +14,17 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from common.bus import topology
-from common.bus.base import Bus
-from common.bus.memory import MemoryBroker
-from common.jobspec import JobSpec
-from common.messages import JobEvent, JobSubmit, to_wire
-from common.settings import Settings
-from services.aggregator.service import AggregatorService
-from services.cli.follow import TERMINAL, JobFollower
-from services.cli.summary import summarize
-from services.learner.service import LearnerService
-from services.scheduler.service import SchedulerService
+from fedmq.common.bus import topology
+from fedmq.common.bus.base import Bus
+from fedmq.common.bus.memory import MemoryBroker
+from fedmq.common.jobspec import JobSpec
+from fedmq.common.messages import JobEvent, JobSubmit, to_wire
+from fedmq.common.settings import Settings
+from fedmq.services.aggregator.service import AggregatorService
+from fedmq.services.cli.follow import TERMINAL, JobFollower
+from fedmq.services.cli.summary import summarize
+from fedmq.services.learner.service import LearnerService
+from fedmq.services.scheduler.service import SchedulerService
 
 
 class EmbeddedCluster:

@@ -7,10 +7,10 @@ import queue
 import threading
 from collections.abc import Iterator
 
-from common.bus import topology
-from common.bus.base import Bus
-from common.errors import DecodeError
-from common.messages import JobEvent, expect, from_wire
+from fedmq.common.bus import topology
+from fedmq.common.bus.base import Bus
+from fedmq.common.errors import DecodeError
+from fedmq.common.messages import JobEvent, expect, from_wire
 
 TERMINAL = {"completed", "failed", "cancelled"}
 

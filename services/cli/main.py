@@ -12,10 +12,10 @@ import typer
 from pydantic import ValidationError as PydanticValidationError
 from rich.console import Console
 
-from common.errors import ConfigError
-from common.jobspec import JobSpec, load_job
-from common.logging import configure_logging
-from common.settings import Settings
+from fedmq.common.errors import ConfigError
+from fedmq.common.jobspec import JobSpec, load_job
+from fedmq.common.logging import configure_logging
+from fedmq.common.settings import Settings
 
 app = typer.Typer(
     name="fedmq",
@@ -29,8 +29,21 @@ err = Console(stderr=True)
 EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        import fedmq
+
+        typer.echo(f"fedmq {fedmq.__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="print the version and exit"),
+    ] = False,
+) -> None:
     """Federated learning over RabbitMQ."""
     # A user's plug-ins (`my_pkg.mod:build`) live beside their job spec, as with uvicorn.
     if "" not in sys.path and "." not in sys.path:
@@ -72,8 +85,8 @@ def run(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show service logs")] = False,
 ) -> None:
     """Train a job in this process on the in-memory bus (no broker needed)."""
-    from services.cli.embedded import run_job
-    from services.cli.render import RoundProgress, print_summary
+    from fedmq.services.cli.embedded import run_job
+    from fedmq.services.cli.render import RoundProgress, print_summary
 
     spec = _load(job, rounds, seed)
     settings = _settings(state_dir=state_dir)
@@ -99,8 +112,8 @@ def _remote_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from common.errors import BrokerUnavailable
-        from services.cli.remote import SchedulerSilent
+        from fedmq.common.errors import BrokerUnavailable
+        from fedmq.services.cli.remote import SchedulerSilent
 
         try:
             return fn(*args, **kwargs)
@@ -112,11 +125,11 @@ def _remote_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _service(name: str) -> None:
-    from common.errors import BrokerUnavailable, ConfigError
+    from fedmq.common.errors import BrokerUnavailable, ConfigError
 
     settings = _settings()
     configure_logging(settings.log_format, settings.log_level)
-    module = __import__(f"services.{name}.app", fromlist=["main"])
+    module = __import__(f"fedmq.services.{name}.app", fromlist=["main"])
     try:
         module.main(settings)
     except BrokerUnavailable as exc:
@@ -154,9 +167,9 @@ def submit(
     watch_: Annotated[bool, typer.Option("--watch", help="follow the job until it ends")] = False,
 ) -> None:
     """Validate a job spec here, then hand it to the scheduler; prints the job id."""
-    from common.messages import JobSubmit
-    from services.cli.embedded import new_job_id
-    from services.cli.remote import Remote
+    from fedmq.common.messages import JobSubmit
+    from fedmq.services.cli.embedded import new_job_id
+    from fedmq.services.cli.remote import Remote
 
     spec = _load(job, rounds, seed)
     settings = _settings()
@@ -178,10 +191,10 @@ def watch(
     json_out: Annotated[bool, typer.Option("--json", help="print the final result as JSON")] = False,
 ) -> None:
     """Follow a job round by round; exit 0 when it completes, 1 when it fails or is cancelled."""
-    from services.cli.follow import TERMINAL
-    from services.cli.remote import Remote
-    from services.cli.render import RoundProgress
-    from services.cli.summary import summarize
+    from fedmq.services.cli.follow import TERMINAL
+    from fedmq.services.cli.remote import Remote
+    from fedmq.services.cli.render import RoundProgress
+    from fedmq.services.cli.summary import summarize
 
     settings = _settings()
     configure_logging(settings.log_format, "warning")
@@ -223,7 +236,7 @@ def watch(
     result = {"job_id": job_id, "name": job["name"], **final, **summarize(rounds), "history": rounds}
     if json_out:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
-    from services.cli.render import print_summary
+    from fedmq.services.cli.render import print_summary
 
     print_summary(err, {"wall_seconds": sum(r.get("seconds", 0.0) for r in rounds), **result})
     if result["status"] != "completed":
@@ -239,7 +252,7 @@ def status(
     """A table of jobs, or one job's rounds."""
     from rich.table import Table
 
-    from services.cli.remote import Remote, job_row
+    from fedmq.services.cli.remote import Remote, job_row
 
     settings = _settings()
     configure_logging(settings.log_format, "warning")
@@ -284,8 +297,8 @@ def status(
 @_remote_errors
 def cancel(job_id: Annotated[str, typer.Argument(help="job id")]) -> None:
     """Stop a running job; its checkpoints stay on disk."""
-    from common.messages import JobCancel
-    from services.cli.remote import Remote
+    from fedmq.common.messages import JobCancel
+    from fedmq.services.cli.remote import Remote
 
     settings = _settings()
     configure_logging(settings.log_format, "warning")
@@ -300,7 +313,7 @@ def learners(json_out: Annotated[bool, typer.Option("--json", help="print JSON")
     """The learners the scheduler knows: device, busy or idle, ranks and last heartbeat."""
     from rich.table import Table
 
-    from services.cli.remote import Remote
+    from fedmq.services.cli.remote import Remote
 
     settings = _settings()
     configure_logging(settings.log_format, "warning")

@@ -6,12 +6,12 @@ import threading
 from types import TracebackType
 from typing import Any, Literal
 
-from common.bus import topology
-from common.bus.rabbitmq import RabbitBus
-from common.errors import DecodeError, FedmqError
-from common.messages import Message, StatusReply, StatusRequest, expect, from_wire, to_wire
-from common.settings import Settings
-from services.cli.follow import JobFollower
+from fedmq.common.bus import topology
+from fedmq.common.bus.rabbitmq import RabbitBus
+from fedmq.common.errors import DecodeError, FedmqError
+from fedmq.common.messages import Message, StatusReply, StatusRequest, expect, from_wire, to_wire
+from fedmq.common.settings import Settings
+from fedmq.services.cli.follow import JobFollower
 
 STATUS_TIMEOUT_S = 10.0
 

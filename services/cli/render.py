@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from common.messages import JobEvent
+from fedmq.common.messages import JobEvent
 
 
 class RoundProgress:
@@ -70,4 +70,4 @@ def print_summary(console: Console, result: dict[str, Any]) -> None:
         console.print(f"  reason: {result['reason']}")
     if result.get("model_path"):
         console.print(f"  model saved to [bold]{result['model_path']}[/]")
-        console.print("  load it with [bold]common.checkpoint.load_model(path)[/] (safetensors)")
+        console.print("  load it with [bold]fedmq.common.checkpoint.load_model(path)[/] (safetensors)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.errors import ConfigError
+from fedmq.common.errors import ConfigError
 
 
 def resolve_device(setting: str, replica: int) -> torch.device:

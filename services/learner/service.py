@@ -21,11 +21,11 @@ import structlog
 import torch
 from torch import nn
 
-from common.bus import topology
-from common.bus.base import Bus, Delivery
-from common.errors import DecodeError, FedmqError
-from common.jobspec import JobSpec, canonical_json, parse_job
-from common.messages import (
+from fedmq.common.bus import topology
+from fedmq.common.bus.base import Bus, Delivery
+from fedmq.common.errors import DecodeError, FedmqError
+from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
+from fedmq.common.messages import (
     ClientFailure,
     ClientUpdate,
     Heartbeat,
@@ -36,15 +36,15 @@ from common.messages import (
     from_wire,
     to_wire,
 )
-from common.metrics import Metrics
-from common.seeding import torch_generator
-from common.settings import Settings
-from common.workloads.datasets import load_dataset
-from common.workloads.models import build_model
-from common.workloads.partition import partition
-from common.workloads.plugins import load_entrypoint
-from services.learner.device import resolve_device
-from services.learner.training import train_local
+from fedmq.common.metrics import Metrics
+from fedmq.common.seeding import torch_generator
+from fedmq.common.settings import Settings
+from fedmq.common.workloads.datasets import load_dataset
+from fedmq.common.workloads.models import build_model
+from fedmq.common.workloads.partition import partition
+from fedmq.common.workloads.plugins import load_entrypoint
+from fedmq.services.learner.device import resolve_device
+from fedmq.services.learner.training import train_local
 
 log = structlog.get_logger("fedmq.learner")
 

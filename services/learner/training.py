@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.jobspec import TrainSpec
+from fedmq.common.jobspec import TrainSpec
 
 
 def make_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from common.bus.rabbitmq import RabbitBus
-from common.lifecycle import serve
-from common.metrics import Metrics
-from common.settings import Settings
-from services.scheduler.service import SchedulerService
+from fedmq.common.bus.rabbitmq import RabbitBus
+from fedmq.common.lifecycle import serve
+from fedmq.common.metrics import Metrics
+from fedmq.common.settings import Settings
+from fedmq.services.scheduler.service import SchedulerService
 
 
 def main(settings: Settings) -> None:

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from common.errors import ConfigError
-from common.messages import Heartbeat
+from fedmq.common.errors import ConfigError
+from fedmq.common.messages import Heartbeat
 
 DEFAULT_INTERVAL_S = 5.0  # used when a heartbeat announces a non-positive or non-finite interval
 AGE_DIGITS = 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.seeding import numpy_rng
+from fedmq.common.seeding import numpy_rng
 
 
 def sample_clients(seed: int, server_round: int, total: int, k: int) -> list[int]:

@@ -16,11 +16,11 @@ from typing import Any
 
 import structlog
 
-from common.bus import topology
-from common.bus.base import Bus, Delivery, Timer
-from common.errors import ConfigError, DecodeError, ValidationError
-from common.jobspec import JobSpec, parse_job
-from common.messages import (
+from fedmq.common.bus import topology
+from fedmq.common.bus.base import Bus, Delivery, Timer
+from fedmq.common.errors import ConfigError, DecodeError, ValidationError
+from fedmq.common.jobspec import JobSpec, parse_job
+from fedmq.common.messages import (
     ClientFailure,
     EventKind,
     Heartbeat,
@@ -40,12 +40,12 @@ from common.messages import (
     from_wire,
     to_wire,
 )
-from common.metrics import Metrics, reason_label
-from common.settings import Settings
-from services.scheduler.registry import Registry
-from services.scheduler.rounds import Decision, RoundState
-from services.scheduler.sampling import sample_clients
-from services.scheduler.store import JobRows
+from fedmq.common.metrics import Metrics, reason_label
+from fedmq.common.settings import Settings
+from fedmq.services.scheduler.registry import Registry
+from fedmq.services.scheduler.rounds import Decision, RoundState
+from fedmq.services.scheduler.sampling import sample_clients
+from fedmq.services.scheduler.store import JobRows
 
 log = structlog.get_logger("fedmq.scheduler")
 

@@ -16,8 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from common.jobspec import parse_job
-from services.scheduler.rounds import RoundState
+from fedmq.common.jobspec import parse_job
+from fedmq.services.scheduler.rounds import RoundState
 
 
 class JobRows:

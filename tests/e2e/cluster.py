@@ -32,7 +32,7 @@ class Cluster:
         name = name or service
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - appends across restarts
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli.main", service], cwd=REPO, stdout=log,
+            [sys.executable, "-m", "fedmq.services.cli.main", service], cwd=REPO, stdout=log,
             stderr=subprocess.STDOUT, env={**self.env, "FEDMQ_STATE_DIR": str(self.root / name), **env},
         )
         self.procs[name] = proc
@@ -40,7 +40,7 @@ class Cluster:
 
     def fedmq(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "services.cli.main", *args], cwd=REPO, env=self.env,
+            [sys.executable, "-m", "fedmq.services.cli.main", *args], cwd=REPO, env=self.env,
             capture_output=True, text=True, timeout=timeout,
         )
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO
 
-FEDMQ = [sys.executable, "-m", "services.cli.main"]
+FEDMQ = [sys.executable, "-m", "fedmq.services.cli.main"]
 
 
 def fedmq(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:

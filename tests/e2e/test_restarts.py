@@ -6,10 +6,10 @@ import json
 import signal
 from pathlib import Path
 
-from common.checkpoint import load_state
-from common.jobspec import load_job
-from common.settings import Settings
-from services.cli.embedded import run_job
+from fedmq.common.checkpoint import load_state
+from fedmq.common.jobspec import load_job
+from fedmq.common.settings import Settings
+from fedmq.services.cli.embedded import run_job
 from tests.conftest import REPO, assert_bit_identical
 from tests.e2e.cluster import cluster
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from common.bus.base import Bus
-from common.bus.memory import MemoryBroker
-from common.bus.rabbitmq import RabbitBus
-from common.settings import Settings
+from fedmq.common.bus.base import Bus
+from fedmq.common.bus.memory import MemoryBroker
+from fedmq.common.bus.rabbitmq import RabbitBus
+from fedmq.common.settings import Settings
 from tests.rabbit import dead_letters, fresh_vhost
 
 

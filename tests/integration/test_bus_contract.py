@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from common.bus.base import Bus, Delivery
+from fedmq.common.bus.base import Bus, Delivery
 from tests.integration.conftest import Transport
 
 WAIT = 20.0

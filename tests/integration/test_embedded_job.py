@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.checkpoint import load_model, load_state
-from common.settings import Settings
-from common.workloads.datasets import load_dataset
-from common.workloads.partition import partition
-from services.aggregator.evaluation import evaluate
-from services.cli.embedded import run_job
+from fedmq.common.checkpoint import load_model, load_state
+from fedmq.common.settings import Settings
+from fedmq.common.workloads.datasets import load_dataset
+from fedmq.common.workloads.partition import partition
+from fedmq.services.aggregator.evaluation import evaluate
+from fedmq.services.cli.embedded import run_job
 from tests.conftest import assert_bit_identical, small_job
 from tests.integration import train_plugins
 from tests.reference import reference_fedavg

@@ -10,15 +10,15 @@ from typing import Any
 import pika
 import torch
 
-from common.bus import topology
-from common.bus.rabbitmq import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE, RabbitBus
-from common.checkpoint import load_state
-from common.messages import ClientUpdate, JobEvent, to_wire
-from common.settings import Settings
-from common.workloads.datasets import load_dataset
-from common.workloads.models import build_model
-from services.cli.embedded import run_job
-from services.scheduler.sampling import sample_clients
+from fedmq.common.bus import topology
+from fedmq.common.bus.rabbitmq import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE, RabbitBus
+from fedmq.common.checkpoint import load_state
+from fedmq.common.messages import ClientUpdate, JobEvent, to_wire
+from fedmq.common.settings import Settings
+from fedmq.common.workloads.datasets import load_dataset
+from fedmq.common.workloads.models import build_model
+from fedmq.services.cli.embedded import run_job
+from fedmq.services.scheduler.sampling import sample_clients
 from tests.conftest import assert_bit_identical, small_job
 from tests.integration import train_plugins
 from tests.rabbit import fresh_vhost
@@ -64,7 +64,7 @@ def hostile_messages(job_id: str, digest: str, spec, client: int) -> list[tuple[
 
 
 def to_wire_raw(value: dict[str, Any]) -> bytes:
-    from common import codec
+    from fedmq.common import codec
 
     return codec.packb(value)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from common.bus.rabbitmq import RabbitBus
-from common.checkpoint import load_state
-from common.settings import Settings
-from common.workloads.datasets import load_dataset
-from common.workloads.partition import partition
-from services.cli.embedded import run_job
+from fedmq.common.bus.rabbitmq import RabbitBus
+from fedmq.common.checkpoint import load_state
+from fedmq.common.settings import Settings
+from fedmq.common.workloads.datasets import load_dataset
+from fedmq.common.workloads.partition import partition
+from fedmq.services.cli.embedded import run_job
 from tests.conftest import assert_bit_identical, small_job
 from tests.integration import train_plugins
 from tests.integration.conftest import Transport

@@ -11,12 +11,12 @@ from urllib.parse import urlsplit
 
 import pika
 
-from common.bus.base import Delivery
-from common.bus.rabbitmq import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE, RabbitBus
-from common.checkpoint import load_state
-from common.messages import JobEvent
-from common.settings import Settings
-from services.cli.embedded import run_job
+from fedmq.common.bus.base import Delivery
+from fedmq.common.bus.rabbitmq import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE, RabbitBus
+from fedmq.common.checkpoint import load_state
+from fedmq.common.messages import JobEvent
+from fedmq.common.settings import Settings
+from fedmq.services.cli.embedded import run_job
 from tests.conftest import assert_bit_identical, small_job
 from tests.integration.test_bus_contract import WAIT
 from tests.rabbit import dead_letters, fresh_vhost

@@ -13,8 +13,8 @@ import time
 import torch
 from torch import nn
 
-from common.jobspec import TrainSpec
-from services.learner.training import train_local
+from fedmq.common.jobspec import TrainSpec
+from fedmq.services.learner.training import train_local
 
 FAIL_SIZE = [-1]  # `failing`: the shard size to fail on
 SECONDS = [0.0]  # `slow`: seconds to sleep before training (or FEDMQ_TEST_TRAIN_SLEEP_S)

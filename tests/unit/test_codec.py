@@ -1,4 +1,4 @@
-"""Tests for common.codec: round trips, the wire layout, malformed input and state digests."""
+"""Tests for fedmq.common.codec: round trips, the wire layout, malformed input and state digests."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common import codec
-from common.codec import (
+from fedmq.common import codec
+from fedmq.common.codec import (
     DEFAULT_MAX_BYTES,
     TENSOR_EXT,
     decode_state,
@@ -27,7 +27,7 @@ from common.codec import (
     state_digest,
     unpackb,
 )
-from common.errors import DecodeError
+from fedmq.common.errors import DecodeError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Tests for common.codec's file decoding: unpack_file and the lazy TensorFile from index_tensors."""
+"""Tests for fedmq.common.codec's file decoding: unpack_file and the lazy TensorFile from index_tensors."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.codec import TENSOR_EXT, TensorFile, index_tensors, packb, unpack_file, unpackb
-from common.errors import DecodeError
-from common.messages import ClientUpdate, ModelReply, to_wire
+from fedmq.common.codec import TENSOR_EXT, TensorFile, index_tensors, packb, unpack_file, unpackb
+from fedmq.common.errors import DecodeError
+from fedmq.common.messages import ClientUpdate, ModelReply, to_wire
 from tests.unit.test_codec import (
     DTYPES,
     REPO_ROOT,
@@ -449,7 +449,7 @@ def test_the_fuzz_base_indexes_and_msgpack_sees_one_map() -> None:
 MEMORY_SCRIPT = r"""
 import json, os, re, resource, sys, tracemalloc
 import torch
-from common.codec import index_tensors, unpack_file
+from fedmq.common.codec import index_tensors, unpack_file
 
 path = sys.argv[1]
 

@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common.errors import ConfigError
-from common.jobspec import DataSpec
-from common.workloads.datasets import Dataset, load_dataset
+from fedmq.common.errors import ConfigError
+from fedmq.common.jobspec import DataSpec
+from fedmq.common.workloads.datasets import Dataset, load_dataset
 
 DIGITS = DataSpec(name="digits", test_fraction=0.2)
 

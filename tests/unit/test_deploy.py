@@ -26,10 +26,10 @@ from urllib.parse import unquote, urlsplit
 import pytest
 import yaml
 
-from common.bus import rabbitmq as rabbit_bus
-from common.bus import topology
-from common.metrics import DURATION_BUCKETS, Metrics
-from common.settings import Settings
+from fedmq.common.bus import rabbitmq as rabbit_bus
+from fedmq.common.bus import topology
+from fedmq.common.metrics import DURATION_BUCKETS, Metrics
+from fedmq.common.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

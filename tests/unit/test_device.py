@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import ConfigError
-from services.learner.device import resolve_device
+from fedmq.common.errors import ConfigError
+from fedmq.services.learner.device import resolve_device
 
 
 def fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
@@ -52,8 +52,8 @@ def test_asking_for_a_missing_gpu_says_what_to_check(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_real_gpu_trains_a_client() -> None:
-    from common.seeding import torch_generator
-    from services.learner.training import train_local
+    from fedmq.common.seeding import torch_generator
+    from fedmq.services.learner.training import train_local
     from tests.conftest import small_job
 
     spec = small_job()

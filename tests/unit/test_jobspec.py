@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from common.errors import ConfigError
-from common.jobspec import (
+from fedmq.common.errors import ConfigError
+from fedmq.common.jobspec import (
     DirichletPartition,
     FedAvgMStrategy,
     FedAvgStrategy,
@@ -320,8 +320,8 @@ def test_a_boolean_is_not_accepted_as_a_number(tmp_path: Path) -> None:
 
 
 def test_the_readme_configuration_table_matches_the_settings_class() -> None:
-    from common.settings_doc import render
+    from fedmq.common.settings_doc import render
     from tests.conftest import REPO
 
     readme = (REPO / "README.md").read_text()
-    assert render(readme) == readme, "run: python -m common.settings_doc --write README.md"
+    assert render(readme) == readme, "run: python -m fedmq.common.settings_doc --write README.md"

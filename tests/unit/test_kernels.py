@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.errors import AggregationError
-from common.jobspec import parse_job
-from services.aggregator.kernels import server_momentum, weighted_mean
-from services.aggregator.strategies import (
+from fedmq.common.errors import AggregationError
+from fedmq.common.jobspec import parse_job
+from fedmq.services.aggregator.kernels import server_momentum, weighted_mean
+from fedmq.services.aggregator.strategies import (
     Average,
     ClientResult,
     FedAvg,

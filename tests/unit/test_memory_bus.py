@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from common.bus.base import Delivery, topic_matches
-from common.bus.memory import DeadLetter, MemoryBroker, MemoryBus
+from fedmq.common.bus.base import Delivery, topic_matches
+from fedmq.common.bus.memory import DeadLetter, MemoryBroker, MemoryBus
 
 WAIT = 5.0  # generous upper bound for anything that should happen at once
 Q = "work"

@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common import codec
-from common.errors import DecodeError
-from common.messages import (
+from fedmq.common import codec
+from fedmq.common.errors import DecodeError
+from fedmq.common.messages import (
     SCHEMA_VERSION,
     AnyMessage,
     ClientFailure,
@@ -174,7 +174,7 @@ def test_each_message_gets_a_fresh_id() -> None:
 def test_the_message_schemas_decode_without_importing_torch() -> None:
     code = (
         "import sys\n"
-        "from common.messages import JobFailed, from_wire, to_wire\n"
+        "from fedmq.common.messages import JobFailed, from_wire, to_wire\n"
         "msg = JobFailed(job_id='j', reason='r')\n"
         "assert from_wire(to_wire(msg)) == msg\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
@@ -393,6 +393,6 @@ _values = st.recursive(
 def test_any_map_with_a_real_type_tag_decodes_or_raises_only_decode_error(
     kind: str, version: object, fields: dict[str, object]
 ) -> None:
-    from common import codec
+    from fedmq.common import codec
 
     decodes_or_refuses(codec.packb({"v": version, "type": kind, **fields}))

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from common.errors import ConfigError
-from common.jobspec import ModelSpec
-from common.workloads.models import build_model
+from fedmq.common.errors import ConfigError
+from fedmq.common.jobspec import ModelSpec
+from fedmq.common.workloads.models import build_model
 
 DIGITS_SHAPE = (1, 8, 8)
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from common.errors import ConfigError
-from common.jobspec import DirichletPartition, IidPartition, ShardsPartition
-from common.workloads.partition import PartitionSpec, label_skew, partition
+from fedmq.common.errors import ConfigError
+from fedmq.common.jobspec import DirichletPartition, IidPartition, ShardsPartition
+from fedmq.common.workloads.partition import PartitionSpec, label_skew, partition
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_label_skew_is_zero_for_identical_mixes_and_high_for_disjoint_classes() 
 
 
 def test_derived_seeds_never_change_across_versions() -> None:
-    from common.seeding import derive_seed
+    from fedmq.common.seeding import derive_seed
 
     # Golden values: changing the derivation would silently change every persisted job.
     assert derive_seed(42) == 8812735988189493775
@@ -152,7 +152,7 @@ def test_derived_seeds_never_change_across_versions() -> None:
 
 
 def test_derived_seeds_separate_purposes_rounds_and_clients() -> None:
-    from common.seeding import derive_seed
+    from fedmq.common.seeding import derive_seed
 
     seeds = {
         derive_seed(0, "partition"),
@@ -168,7 +168,7 @@ def test_derived_seeds_separate_purposes_rounds_and_clients() -> None:
 
 
 def test_numpy_integers_derive_the_same_seed_as_python_ints() -> None:
-    from common.seeding import derive_seed
+    from fedmq.common.seeding import derive_seed
 
     assert derive_seed(np.int64(5), "train", np.int32(3)) == derive_seed(5, "train", 3)
     with pytest.raises(TypeError):

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.errors import ConfigError
-from common.jobspec import DataSpec, ModelSpec, TrainSpec
-from common.seeding import torch_generator
-from common.workloads.datasets import load_dataset
-from common.workloads.models import build_model
-from common.workloads.plugins import LocalTrainFn, load_entrypoint
+from fedmq.common.errors import ConfigError
+from fedmq.common.jobspec import DataSpec, ModelSpec, TrainSpec
+from fedmq.common.seeding import torch_generator
+from fedmq.common.workloads.datasets import load_dataset
+from fedmq.common.workloads.models import build_model
+from fedmq.common.workloads.plugins import LocalTrainFn, load_entrypoint
 
 NOT_CALLABLE = 3
 

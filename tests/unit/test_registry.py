@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from common.errors import ConfigError
-from common.messages import Heartbeat
-from services.scheduler.registry import LearnerInfo, Ranks, Registry, assign_ranks, ddp_env
+from fedmq.common.errors import ConfigError
+from fedmq.common.messages import Heartbeat
+from fedmq.services.scheduler.registry import LearnerInfo, Ranks, Registry, assign_ranks, ddp_env
 from tests.conftest import REPO
 
 INTERVAL = 5.0  # every heartbeat here announces this interval, so death comes after 15 s of silence
@@ -277,7 +277,7 @@ def test_ddp_env_refuses_an_empty_master_address_or_a_port_out_of_range(addr: st
 
 
 def test_importing_the_registry_does_not_import_torch() -> None:
-    code = "import sys, services.scheduler.registry; sys.exit('torch' in sys.modules)"
+    code = "import sys, fedmq.services.scheduler.registry; sys.exit('torch' in sys.modules)"
     run = [sys.executable, "-c", code]
     result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr or "torch was imported"

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.rounds import Decision, RoundState
-from services.scheduler.sampling import sample_clients
+from fedmq.services.scheduler.rounds import Decision, RoundState
+from fedmq.services.scheduler.sampling import sample_clients
 
 DEADLINE = 100.0
 BEFORE = 50.0

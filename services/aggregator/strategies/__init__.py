@@ -1,10 +1,10 @@
 """Server strategies, one per module, built from the job spec."""
 
-from common.jobspec import AverageStrategy, FedAvgMStrategy, FedAvgStrategy, JobSpec
-from services.aggregator.strategies.average import Average
-from services.aggregator.strategies.base import ClientResult, Strategy
-from services.aggregator.strategies.fedavg import FedAvg
-from services.aggregator.strategies.fedavgm import FedAvgM
+from fedmq.common.jobspec import AverageStrategy, FedAvgMStrategy, FedAvgStrategy, JobSpec
+from fedmq.services.aggregator.strategies.average import Average
+from fedmq.services.aggregator.strategies.base import ClientResult, Strategy
+from fedmq.services.aggregator.strategies.fedavg import FedAvg
+from fedmq.services.aggregator.strategies.fedavgm import FedAvgM
 
 
 def build_strategy(spec: JobSpec) -> Strategy:

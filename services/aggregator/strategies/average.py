@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.aggregator.strategies.base import ClientResult
-from services.aggregator.strategies.fedavg import FedAvg
+from fedmq.services.aggregator.strategies.base import ClientResult
+from fedmq.services.aggregator.strategies.fedavg import FedAvg
 
 
 class Average(FedAvg):

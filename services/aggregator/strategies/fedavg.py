@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.aggregator.kernels import weighted_mean
-from services.aggregator.strategies.base import ClientResult, StateDict, Strategy
+from fedmq.services.aggregator.kernels import weighted_mean
+from fedmq.services.aggregator.strategies.base import ClientResult, StateDict, Strategy
 
 
 class FedAvg(Strategy):

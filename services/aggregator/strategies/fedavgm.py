@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.aggregator.kernels import server_momentum
-from services.aggregator.strategies.base import ClientResult, StateDict
-from services.aggregator.strategies.fedavg import FedAvg
+from fedmq.services.aggregator.kernels import server_momentum
+from fedmq.services.aggregator.strategies.base import ClientResult, StateDict
+from fedmq.services.aggregator.strategies.fedavg import FedAvg
 
 
 class FedAvgM(FedAvg):
