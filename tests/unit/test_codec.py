@@ -17,7 +17,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedmq.common import codec
 from fedmq.common.codec import (
     DEFAULT_MAX_BYTES,
     TENSOR_EXT,
@@ -27,6 +26,7 @@ from fedmq.common.codec import (
     state_digest,
     unpackb,
 )
+from fedmq.common.codec import tensors as tensor_wire
 from fedmq.common.errors import DecodeError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -236,7 +236,7 @@ def test_decoded_tensor_data_is_aligned_for_its_dtype() -> None:
 
 def test_packing_plain_data_does_not_import_torch() -> None:
     script = (
-        "import sys; from common import codec;"
+        "import sys; from fedmq.common import codec;"
         "obj = {'a': [1, 2.0, 'x', b'y'], 7: None};"
         "assert codec.unpackb(codec.packb(obj)) == obj;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
@@ -269,7 +269,7 @@ def test_sixteen_byte_payloads_use_msgpack_fixext() -> None:
 def test_big_endian_hosts_write_little_endian_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     tensor = torch.tensor([1.0, -2.5], dtype=torch.complex64)
     native = tensor_payload(tensor)
-    monkeypatch.setattr(codec, "_LITTLE_ENDIAN", False)
+    monkeypatch.setattr(tensor_wire, "_LITTLE_ENDIAN", False)
     swapped = tensor_payload(tensor)
     start = len(header(15, (2,)))
     parts = [native[i : i + 4] for i in range(start, len(native), 4)]
