@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from fedmq.common.codec import TENSOR_EXT, TensorFile, index_tensors, packb, unpack_file, unpackb
 from fedmq.common.errors import DecodeError
 from fedmq.common.messages import ClientUpdate, ModelReply, to_wire
-from tests.unit.test_codec import (
+from tests.unit.codec_support import (
     DTYPES,
     REPO_ROOT,
     assert_same_tensor,
