@@ -11,7 +11,8 @@ import pika
 import torch
 
 from fedmq.common.bus import topology
-from fedmq.common.bus.rabbitmq import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE, RabbitBus
+from fedmq.common.bus.blob import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE
+from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
 from fedmq.common.messages import ClientUpdate, JobEvent, to_wire
 from fedmq.common.settings import Settings

@@ -12,7 +12,8 @@ from urllib.parse import urlsplit
 import pika
 
 from fedmq.common.bus.base import Delivery
-from fedmq.common.bus.rabbitmq import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE, RabbitBus
+from fedmq.common.bus.blob import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE
+from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
 from fedmq.common.messages import JobEvent
 from fedmq.common.settings import Settings

@@ -26,8 +26,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 import yaml
 
-from fedmq.common.bus import rabbitmq as rabbit_bus
-from fedmq.common.bus import topology
+from fedmq.common.bus import blob, topology
 from fedmq.common.metrics import DURATION_BUCKETS, Metrics
 from fedmq.common.settings import Settings
 
@@ -305,7 +304,7 @@ def test_definitions_declare_exactly_the_topology_the_services_declare() -> None
     needs read on it and write on the DLX, rights only the scheduler holds); the arguments must be
     the services' own, or their declarations fail with 406 PRECONDITION_FAILED."""
     ch = _RecordingChannel()
-    rabbit_bus.declare_topology(ch, Settings(_env_file=None))  # type: ignore[arg-type]
+    topology.declare_topology(ch, Settings(_env_file=None))  # type: ignore[arg-type]
     defs = _definitions()
     assert {e["name"]: e["type"] for e in defs["exchanges"]} == ch.exchanges
     assert {q["name"]: q["arguments"] for q in defs["queues"]} == ch.queues
@@ -316,15 +315,16 @@ def test_definitions_declare_exactly_the_topology_the_services_declare() -> None
         assert item["durable"] and not item["auto_delete"], item["name"]
 
 
-# What the bus code does (common/bus/rabbitmq.py), as (permission, resource) pairs.
-BLOB = f"{rabbit_bus.BLOB_PREFIX}{uuid.uuid4().hex}"
+# What the bus code does (common/bus/: topology.py, rabbitmq.py, consumers.py, blob.py),
+# as (permission, resource) pairs.
+BLOB = f"{blob.BLOB_PREFIX}{uuid.uuid4().hex}"
 SERVER_NAMED = "amq.gen-JzTY20BRgKO-HjmUJj0wLg"
 WORK_QUEUES = topology.QUEUES
 CONNECT = (
     # every declaration of the topology at every connect needs configure, existing or not
-    *[("configure", name) for name in (topology.EVENTS, rabbit_bus.DLX, topology.DEAD_LETTERS, *WORK_QUEUES)],
+    *[("configure", name) for name in (topology.EVENTS, topology.DLX, topology.DEAD_LETTERS, *WORK_QUEUES)],
     # binding fedmq.dead to the DLX: write on the queue, read on the exchange
-    ("write", topology.DEAD_LETTERS), ("read", rabbit_bus.DLX),
+    ("write", topology.DEAD_LETTERS), ("read", topology.DLX),
     # the exclusive reply queue, consumed
     ("configure", SERVER_NAMED), ("read", SERVER_NAMED),
     # publish through the default exchange (work, requests, replies, dead letters)
@@ -333,7 +333,7 @@ CONNECT = (
     ("configure", BLOB), ("read", BLOB),
 )
 # Creating a queue with x-dead-letter-exchange (when one is missing): read on it, write on the DLX.
-RECREATE = (*[("read", name) for name in WORK_QUEUES], ("write", rabbit_bus.DLX))
+RECREATE = (*[("read", name) for name in WORK_QUEUES], ("write", topology.DLX))
 NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
     "scheduler": (*CONNECT, *RECREATE, ("read", topology.SCHEDULER), ("write", topology.EVENTS)),
     "aggregator": (*CONNECT, ("read", topology.AGGREGATOR), ("read", topology.MODEL)),
@@ -347,7 +347,7 @@ MUST_NOT: dict[str, tuple[tuple[str, str], ...]] = {
         ("configure", "fedmq.other"), ("configure", "other"), ("write", "amq.topic"), ("read", "other"),
         ("write", topology.SCHEDULER),  # binding a queue of one's own to a work queue's name...
         *[("read", q) for q in WORK_QUEUES if ("read", q) not in NEEDS[user]],  # ...or consuming others' work
-        *((("write", topology.EVENTS), ("write", rabbit_bus.DLX)) if user != "scheduler" else ()),
+        *((("write", topology.EVENTS), ("write", topology.DLX)) if user != "scheduler" else ()),
         *((("read", topology.EVENTS),) if user != "cli" else ()),
     )
     for user in SERVICE_USERS
@@ -646,7 +646,7 @@ def test_services_run_a_job_as_their_own_users(tmp_path: Path) -> None:
                 return False
             granted = {line.split("\t")[0] for line in ctl("list_permissions", "-p", vhost).splitlines()}
             bound = ctl("list_bindings", "-p", vhost, "source_name", "destination_name").split()
-            return set(names.values()) <= granted and rabbit_bus.DLX in bound
+            return set(names.values()) <= granted and topology.DLX in bound
 
         deadline = time.monotonic() + 30
         while not imported_yet():

@@ -1,0 +1,186 @@
+"""The chunked-blob protocol: a message larger than one frame, sent and read back over RabbitMQ.
+
+    sender ──chunks 0..n-1──▶ [fedmq.blob.<id>]   (x-expires: deleted after an hour unused)
+           ──envelope (empty body; names the blob, count, size, sha256)──▶ destination queue
+    receiver, holding the envelope ──basic_get, in order──▶ checked body ──▶ handler
+             envelope settled ──▶ queue_delete fedmq.blob.<id>
+
+The chunks go to a queue of their own (`fedmq.blob.<id>`, expiring when unused)
+and a small envelope that names it goes to the destination. The receiver reads
+the chunks while it holds the envelope and deletes the blob queue once the
+envelope is settled, so a crash anywhere leaves either the whole message or nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
+
+BLOB_PREFIX = "fedmq.blob."
+H_BLOB, H_INDEX, H_COUNT, H_SIZE, H_DIGEST = (
+    "x-fedmq-blob", "x-fedmq-index", "x-fedmq-count", "x-fedmq-size", "x-fedmq-digest"
+)
+BLOB_TTL_MS = 3_600_000
+
+
+class DecodeBlobError(Exception):
+    """A chunked message could not be put back together."""
+
+
+def publish_blob(
+    ch: BlockingChannel,
+    exchange: str,
+    key: str,
+    body: bytes,
+    props: pika.BasicProperties,
+    *,
+    mandatory: bool,
+    frame_bytes: int,
+    on_chunk: Callable[[int], None],
+) -> None:
+    """Send `body` as chunks of at most `frame_bytes` on a blob queue, then the envelope naming it."""
+    blob = f"{BLOB_PREFIX}{uuid.uuid4().hex}"
+    count = -(-len(body) // frame_bytes)
+    digest = hashlib.sha256(body).hexdigest()
+    ch.queue_declare(blob, durable=True, arguments={"x-expires": BLOB_TTL_MS})
+    view = memoryview(body)
+    for index in range(count):
+        chunk_headers = {H_BLOB: blob, H_INDEX: index, H_COUNT: count}
+        chunk = bytes(view[index * frame_bytes : (index + 1) * frame_bytes])
+        ch.basic_publish(
+            "", blob, chunk, pika.BasicProperties(delivery_mode=2, headers=chunk_headers), mandatory=True
+        )
+        on_chunk(len(chunk))
+    envelope_headers = {
+        **(props.headers or {}), H_BLOB: blob, H_COUNT: count, H_SIZE: len(body), H_DIGEST: digest
+    }
+    envelope = pika.BasicProperties(
+        delivery_mode=props.delivery_mode, reply_to=props.reply_to,
+        correlation_id=props.correlation_id, headers=envelope_headers,
+    )
+    ch.basic_publish(exchange, key, b"", envelope, mandatory=mandatory)
+
+
+class BlobReader:
+    """Reads blobs on a channel of its own: a missing blob queue closes that one, not the main one."""
+
+    def __init__(
+        self,
+        connection: Callable[[], BlockingConnection | None],
+        *,
+        max_bytes: int,
+        wait_s: float,
+        on_chunk: Callable[[int], None],
+    ) -> None:
+        self._connection = connection  # the bus's current connection, None while it has none
+        self._max_bytes = max_bytes
+        self._wait_s = wait_s
+        self._on_chunk = on_chunk
+        self._ch: BlockingChannel | None = None
+
+    def read(self, headers: dict[str, Any], tags: list[int]) -> bytes:
+        """A blob's chunks, in order, in one buffer."""
+        buffer = bytearray(self._size(headers))
+        offset = 0
+
+        def write(chunk: bytes) -> None:
+            nonlocal offset
+            buffer[offset : offset + len(chunk)] = chunk
+            offset += len(chunk)
+
+        self._collect(headers, write, tags)
+        return bytes(buffer)
+
+    def read_to_file(self, headers: dict[str, Any], spool: Path, tags: list[int]) -> Path:
+        """A blob's chunks, in order, written to a new file in `spool`: memory holds one chunk."""
+        self._size(headers)
+        spool.mkdir(parents=True, exist_ok=True)
+        path = spool / f"{uuid.uuid4().hex}.msg"
+        try:
+            with open(path, "wb") as f:
+                self._collect(headers, f.write, tags)
+                f.flush()
+                os.fsync(f.fileno())  # acked once handled: it must be on disk by then
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return path
+
+    def requeue(self, tags: list[int]) -> None:
+        """Give back the chunks we took, before their envelope goes back to its queue."""
+        if self._ch is not None:
+            for tag in tags:
+                self._ch.basic_nack(tag, requeue=True)
+
+    def delete(self, blob: str) -> None:
+        """Drop a settled blob's queue (and the chunks we hold from it)."""
+        conn = self._connection()
+        if conn is None or not blob.startswith(BLOB_PREFIX):
+            return
+        try:
+            self._channel(conn).queue_delete(blob)
+        except pika.exceptions.ChannelClosedByBroker:
+            self._ch = None  # already gone: nothing to clean
+
+    def forget(self) -> None:
+        """The connection is gone, and its chunk channel with it."""
+        self._ch = None
+
+    def _size(self, headers: dict[str, Any]) -> int:
+        blob, count, size = headers.get(H_BLOB), headers.get(H_COUNT), headers.get(H_SIZE)
+        if not (isinstance(blob, str) and blob.startswith(BLOB_PREFIX)):
+            raise DecodeBlobError(f"bad blob name {blob!r}")
+        if not (isinstance(count, int) and isinstance(size, int) and 0 < count <= size):
+            raise DecodeBlobError("blob envelope without a valid count and size")
+        if size > self._max_bytes:
+            raise DecodeBlobError(f"{size} bytes is over the {self._max_bytes} limit")
+        return size
+
+    def _collect(self, headers: dict[str, Any], write: Callable[[bytes], object], tags: list[int]) -> None:
+        """Read every chunk of a blob in order into `write`, checking order, size and digest."""
+        conn = self._connection()
+        assert conn is not None
+        ch = self._channel(conn)
+        blob, count, size = headers[H_BLOB], headers[H_COUNT], headers[H_SIZE]
+        digest = hashlib.sha256()
+        received, deadline = 0, time.monotonic() + self._wait_s
+        for index in range(count):
+            while True:
+                try:
+                    method, props, chunk = ch.basic_get(blob, auto_ack=False)
+                except pika.exceptions.ChannelClosedByBroker as exc:
+                    # The blob queue is gone (expired, deleted, never made): only the chunk
+                    # channel is lost with it; the envelope is rejected on the main one.
+                    self._ch = None
+                    raise DecodeBlobError(f"blob queue unavailable: {exc.reply_text}") from None
+                if method is not None:
+                    tags.append(method.delivery_tag)
+                    break
+                if time.monotonic() > deadline:
+                    raise DecodeBlobError(f"only {index} of {count} chunks arrived")
+                conn.sleep(0.05)
+            got = (props.headers or {}).get(H_INDEX)
+            if got != index or received + len(chunk) > size:
+                raise DecodeBlobError(f"chunk {got} out of order or oversized (expected {index})")
+            self._on_chunk(len(chunk))
+            digest.update(chunk)
+            write(chunk)
+            received += len(chunk)
+        if received != size:
+            raise DecodeBlobError(f"blob has {received} bytes, envelope says {size}")
+        if digest.hexdigest() != headers.get(H_DIGEST):
+            raise DecodeBlobError("digest mismatch")
+
+    def _channel(self, conn: BlockingConnection) -> BlockingChannel:
+        if self._ch is None or not self._ch.is_open:
+            self._ch = conn.channel()
+        return self._ch

@@ -1,0 +1,257 @@
+"""A RabbitMQ connection owned by one thread: its I/O loop, timers, reconnects and the hand-off.
+
+One connection and one confirmed channel, owned by the thread in `run()`.
+Other threads never touch pika: they queue work on an outbox and wake the loop
+with `add_callback_threadsafe`, the one thread-safe pika call (invariant 8).
+
+    any thread ──call_soon──▶ outbox ──add_callback_threadsafe (wake)──▶ loop thread
+    loop: drain outbox ─▶ fire due timers ─▶ process_data_events (≤ 1 s) ─▶ again
+          connection lost ─▶ on_lost ─▶ backoff (doubling, capped) ─▶ connect ─▶ on_open
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+import pika
+import pika.exceptions
+import structlog
+from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
+
+from fedmq.common.bus.base import Timer
+from fedmq.common.bus.topology import declare_topology
+from fedmq.common.errors import BrokerUnavailable
+from fedmq.common.settings import Settings
+
+log = structlog.get_logger("fedmq.bus")
+
+T = TypeVar("T")
+
+# What means "the connection or channel is gone": reconnect. Anything else a handler raises
+# (a full disk, a bug) is that message's problem: it is dead-lettered and the service goes on.
+PIKA_ERRORS = (
+    pika.exceptions.AMQPConnectionError,
+    pika.exceptions.AMQPChannelError,
+    pika.exceptions.StreamLostError,
+    pika.exceptions.ConnectionWrongStateError,
+    pika.exceptions.ChannelWrongStateError,
+)
+CONNECTION_ERRORS = (*PIKA_ERRORS, ConnectionError)
+
+
+class _LoopTimer(Timer):
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def connection_parameters(settings: Settings, name: str) -> pika.URLParameters:
+    """How to reach the broker: one attempt per connect (the loop retries), named for the UI."""
+    params = pika.URLParameters(settings.broker_url)
+    params.heartbeat = settings.heartbeat_s
+    params.blocked_connection_timeout = 60
+    params.connection_attempts = 1
+    params.socket_timeout = 5
+    params.client_properties = {"connection_name": name}
+    return params
+
+
+class BrokerConnection:
+    """One connection and its confirmed channel; `run()` owns them, the rest is thread-safe."""
+
+    def __init__(
+        self, settings: Settings, name: str, *, on_open: Callable[[], None], on_lost: Callable[[], None]
+    ) -> None:
+        self.settings = settings
+        self.name = name
+        self.params = connection_parameters(settings, name)
+        self.conn: BlockingConnection | None = None
+        self.channel: BlockingChannel | None = None  # confirmed: each publish waits for the broker
+        self.generation = 0  # one per connection: a delivery from an older one can't be settled
+        self.reconnects = 0
+        self.running = False
+        self._on_open = on_open  # on the loop, after every (re)connect: consume again
+        self._on_lost = on_lost  # the connection is about to be dropped
+        self._outbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._timers: list[tuple[float, int, _LoopTimer, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._thread: int | None = None
+
+    def connect(self) -> None:
+        """Open the connection and declare the topology; BrokerUnavailable if it can't."""
+        try:
+            self.conn = pika.BlockingConnection(self.params)
+            self.channel = self.conn.channel()
+            self.channel.confirm_delivery()
+            self.channel.add_on_cancel_callback(self._on_cancelled)
+            declare_topology(self.channel, self.settings)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self.drop()
+            if exc.reply_code == 406:
+                raise BrokerUnavailable(
+                    f"RabbitMQ at {self.settings.safe_broker_url} refused fedmq's queues: {exc.reply_text}. "
+                    "They exist with other arguments (FEDMQ_DELIVERY_LIMIT changed?): delete them or "
+                    "use a fresh vhost."
+                ) from None
+            raise BrokerUnavailable(unreachable_message(self.settings, exc)) from None
+        except (*CONNECTION_ERRORS, OSError) as exc:
+            self.drop()
+            raise BrokerUnavailable(unreachable_message(self.settings, exc)) from None
+        self.generation += 1
+
+    def drop(self) -> None:
+        """Forget the connection (closing it if it is still open); its deliveries are the broker's again."""
+        self._on_lost()
+        conn, self.conn, self.channel = self.conn, None, None
+        if conn is not None and conn.is_open:
+            # Closing a broken connection may fail in many ways; it is gone either way.
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _on_cancelled(self, frame: object) -> None:
+        """The broker cancelled a consumer (queue deleted, leader moved): declare and subscribe again."""
+        log.warning("consumer_cancelled_by_broker", bus=self.name)
+        self.call_later(self.settings.retry_initial_s, self._resubscribe)
+
+    def _resubscribe(self) -> None:
+        # Simplest correct answer: a fresh connection re-declares the topology and every consumer.
+        raise pika.exceptions.ChannelWrongStateError("consumer cancelled by broker; resubscribing")
+
+    # -- the loop -------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until `stop()`, reconnecting with a doubling backoff whenever the connection is lost."""
+        self._thread = threading.get_ident()
+        self.running = True
+        backoff = self.settings.retry_initial_s
+        try:
+            while self.running:
+                try:
+                    if self.conn is None or not self.conn.is_open:
+                        self.connect()
+                    self._on_open()
+                    backoff = self.settings.retry_initial_s
+                    self._loop()
+                except (BrokerUnavailable, *CONNECTION_ERRORS) as exc:
+                    self.drop()
+                    if not self.running:
+                        break
+                    self.reconnects += 1
+                    log.warning("broker_connection_lost", bus=self.name, error=str(exc)[:300],
+                                retry_in_s=round(backoff, 2))
+                    self._pause(backoff)
+                    backoff = min(backoff * 2, self.settings.retry_max_s)
+        finally:
+            self.running = False
+            self.drop()
+
+    def _loop(self) -> None:
+        assert self.conn is not None
+        while self.running:
+            self._drain_outbox()
+            wait = self._fire_due_timers()
+            self.conn.process_data_events(time_limit=min(wait, 1.0) if wait is not None else 1.0)
+
+    def _pause(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while self.running and time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    def _drain_outbox(self) -> None:
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            _guarded(item, "callback_crashed")
+
+    def _fire_due_timers(self) -> float | None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, timer, callback = heapq.heappop(self._timers)
+            if not timer.cancelled:
+                _guarded(callback, "timer_callback_crashed")
+        return max(0.0, self._timers[0][0] - time.monotonic()) if self._timers else None
+
+    def stop(self) -> None:
+        self.running = False
+        if not self.on_loop():  # on the loop (a signal handler) the flag is seen within 1 s
+            self._wake()
+
+    # -- the hand-off from other threads ----------------------------------------
+
+    def _wake(self) -> None:
+        conn = self.conn
+        if conn is not None and conn.is_open:
+            # Closing under us: the loop notices by itself.
+            with contextlib.suppress(Exception):
+                conn.add_callback_threadsafe(lambda: None)
+
+    def on_loop(self) -> bool:
+        return threading.get_ident() == self._thread
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        self._outbox.put(callback)
+        self._wake()
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        timer = _LoopTimer()
+        entry = (time.monotonic() + delay, next(self._seq), timer, callback)
+        if self.on_loop():
+            heapq.heappush(self._timers, entry)
+        else:
+            self.call_soon(lambda: heapq.heappush(self._timers, entry))
+        return timer
+
+    def run_on_loop(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run fn on the bus thread (or here, if this is it, or if no loop runs) and return its result."""
+        if self.on_loop():
+            return fn()
+        if not self.running:
+            if self.conn is None or not self.conn.is_open:
+                self.connect()
+            return fn()
+        future: Future[T] = Future()
+
+        def work() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+        self.call_soon(work)
+        try:
+            return future.result(timeout=timeout or self.settings.request_timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"bus {self.name}: broker did not take the message in time") from None
+
+
+def _guarded(callback: Callable[[], None], event: str) -> None:
+    """Run a callback on the loop; a lost connection propagates (reconnect), a bug is logged."""
+    try:
+        callback()
+    except PIKA_ERRORS:
+        raise
+    except Exception:
+        log.exception(event)
+
+
+def unreachable_message(settings: Settings, exc: BaseException) -> str:
+    detail = str(exc) or "connection refused or timed out"
+    return (
+        f"cannot reach RabbitMQ at {settings.safe_broker_url} ({detail[:200]}). "
+        "Is the broker running (rabbitmq-diagnostics ping), and are FEDMQ_BROKER_URL's "
+        "host, port, vhost and credentials right?"
+    )

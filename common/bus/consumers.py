@@ -1,0 +1,212 @@
+"""Consuming from RabbitMQ: handlers and subscriptions, started at every connect, and the ack policy.
+
+    message ─▶ over the frame size, not a blob ───────────────────────▶ dead-letter "oversize"
+            ─▶ a blob's envelope: read its chunks (size, order, digest) ─✗─▶ dead-letter "blob: ..."
+            ─▶ handler ─▶ ack       gone (and its blob queue deleted)
+                       ─▶ reject    to fedmq.dead with the reason, then acked
+                       ─▶ requeue   its chunks back to the blob queue, then itself
+                       ─✗ raises    dead-letter "handler_error: <type>"; a pika error reconnects
+
+A delivery is settled once, on the loop thread and on the connection it came
+on; one from a connection since lost has already been requeued by the broker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pika
+import structlog
+
+from fedmq.common.bus import topology
+from fedmq.common.bus.base import Delivery, EventHandler, Handler
+from fedmq.common.bus.blob import H_BLOB, BlobReader, DecodeBlobError
+from fedmq.common.bus.connection import PIKA_ERRORS, BrokerConnection
+
+log = structlog.get_logger("fedmq.bus")
+
+H_REASON, H_QUEUE = "x-fedmq-reason", "x-fedmq-queue"
+
+
+@dataclass(eq=False)
+class RabbitDelivery(Delivery):
+    _consumers: Consumers = field(kw_only=True)
+    _tag: int = field(kw_only=True)
+    _generation: int = field(kw_only=True)
+    _blob: str | None = field(default=None, kw_only=True)
+    _chunk_tags: list[int] = field(default_factory=list, kw_only=True)
+    _settled: bool = field(default=False, kw_only=True)
+
+    def ack(self) -> None:
+        self._consumers._settle(self, "ack")
+
+    def reject(self, reason: str) -> None:
+        self._consumers._settle(self, "reject", reason)
+
+    def requeue(self) -> None:
+        self._consumers._settle(self, "requeue")
+
+
+@dataclass
+class _Consumer:
+    queue: str
+    handler: Handler
+    prefetch: int
+    spool: Path | None = None
+
+
+class Consumers:
+    """A bus's consumers and subscriptions: remembered, (re)started on each connection, settled."""
+
+    def __init__(
+        self,
+        connection: BrokerConnection,
+        blobs: BlobReader,
+        *,
+        frame_bytes: int,
+        on_bytes: Callable[[int], None],
+        on_dead_letter: Callable[[str], None],
+    ) -> None:
+        self._link = connection
+        self._blobs = blobs
+        self._frame_bytes = frame_bytes
+        self._on_bytes = on_bytes  # every message body received
+        self._on_dead_letter = on_dead_letter
+        self._consumers: list[_Consumer] = []
+        self._subscriptions: list[tuple[str, EventHandler]] = []
+        self.ready = threading.Event()  # connected, consumers and subscriptions live
+        self._lock = threading.Lock()  # orders registrations against (re)subscription
+
+    def consume(self, queue: str, handler: Handler, prefetch: int, spool: Path | None) -> None:
+        consumer = _Consumer(queue, handler, prefetch, spool)
+        self._register(lambda: self._consumers.append(consumer), lambda: self._start_consumer(consumer))
+
+    def subscribe(self, pattern: str, handler: EventHandler) -> None:
+        self._register(
+            lambda: self._subscriptions.append((pattern, handler)),
+            lambda: self._start_subscription(pattern, handler),
+        )
+
+    def start_all(self) -> None:
+        """On a fresh connection: start every consumer and subscription made so far; then ready."""
+        with self._lock:
+            for consumer in self._consumers:
+                self._start_consumer(consumer)
+            for pattern, handler in self._subscriptions:
+                self._start_subscription(pattern, handler)
+            self.ready.set()
+
+    def _register(self, remember: Callable[[], None], start: Callable[[], None]) -> None:
+        """Before the bus is ready, remember it for (re)connects; once ready, also start it now."""
+        def both() -> None:
+            with self._lock:
+                remember()
+                start()
+
+        if self._link.on_loop():
+            if self.ready.is_set():
+                both()
+            else:
+                remember()
+            return
+        with self._lock:
+            if not self.ready.is_set():
+                remember()
+                return
+        self._link.run_on_loop(both)
+
+    def _start_consumer(self, consumer: _Consumer) -> None:
+        assert self._link.channel is not None
+        self._link.channel.basic_qos(prefetch_count=consumer.prefetch)
+        self._link.channel.basic_consume(
+            consumer.queue,
+            lambda ch, method, props, body: self._on_message(consumer, method, props, body),
+            auto_ack=False,
+        )
+
+    def _start_subscription(self, pattern: str, handler: EventHandler) -> None:
+        ch = self._link.channel
+        assert ch is not None
+        name = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
+        ch.queue_bind(name, topology.EVENTS, routing_key=pattern)
+        ch.basic_consume(name, lambda ch, m, p, body: handler(body), auto_ack=True)
+
+    def _on_message(self, consumer: _Consumer, method: Any, props: Any, body: bytes) -> None:
+        self._on_bytes(len(body))
+        headers = dict(props.headers or {})
+        delivery = RabbitDelivery(
+            body=body,
+            queue=consumer.queue,
+            redelivered=bool(method.redelivered),
+            reply_to=props.reply_to,
+            correlation_id=props.correlation_id,
+            headers=headers,
+            _consumers=self,
+            _tag=method.delivery_tag,
+            _generation=self._link.generation,
+            _blob=headers.get(H_BLOB),
+        )
+        if delivery._blob is None and len(body) > self._frame_bytes:
+            # fedmq never sends one: anything this large comes chunked, checked and bounded.
+            log.warning("message_rejected", queue=consumer.queue, reason="oversize", bytes=len(body))
+            delivery.reject(f"oversize: {len(body)} bytes over the {self._frame_bytes}-byte frame")
+            return
+        if delivery._blob is not None:
+            tags = delivery._chunk_tags
+            try:
+                if consumer.spool is not None:
+                    delivery.body_path = self._blobs.read_to_file(headers, consumer.spool, tags)
+                else:
+                    delivery.body = self._blobs.read(headers, tags)
+            except DecodeBlobError as exc:
+                log.warning("message_rejected", queue=consumer.queue, reason="blob", detail=str(exc))
+                delivery.reject(f"blob: {exc}")
+                return
+        try:
+            consumer.handler(delivery)
+        except PIKA_ERRORS:
+            raise
+        except Exception as exc:  # a handler bug must not kill the service: dead-letter
+            log.exception("handler_crashed", queue=consumer.queue)
+            delivery.reject(f"handler_error: {type(exc).__name__}")
+
+    def _settle(self, delivery: RabbitDelivery, outcome: str, reason: str = "") -> None:
+        if not self._link.on_loop():
+            self._link.call_soon(lambda: self._settle(delivery, outcome, reason))
+            return
+        if delivery._settled:
+            return
+        delivery._settled = True
+        ch = self._link.channel
+        if delivery._generation != self._link.generation or ch is None:
+            # The connection it came on is gone; the broker has already requeued it.
+            log.info("settle_skipped_stale_delivery", queue=delivery.queue, outcome=outcome)
+            return
+        if outcome == "reject":
+            self._dead_letter(delivery, reason)
+            ch.basic_ack(delivery._tag)
+            self._on_dead_letter(reason)
+        elif outcome == "requeue":
+            # The chunks we took must go back to their queue before the envelope does.
+            self._blobs.requeue(delivery._chunk_tags)
+            ch.basic_nack(delivery._tag, requeue=True)
+        else:
+            ch.basic_ack(delivery._tag)
+        if delivery._blob is not None and outcome != "requeue":
+            self._blobs.delete(delivery._blob)
+        if delivery.body_path is not None:
+            delivery.body_path.unlink(missing_ok=True)
+
+    def _dead_letter(self, delivery: RabbitDelivery, reason: str) -> None:
+        assert self._link.channel is not None
+        headers = {**delivery.headers, H_REASON: reason[:1000], H_QUEUE: delivery.queue}
+        # A blob's envelope is dead-lettered without its chunks (they expire with their queue).
+        body = b"" if delivery._blob is not None else bytes(delivery.body)
+        self._link.channel.basic_publish(
+            "", topology.DEAD_LETTERS, body,
+            pika.BasicProperties(delivery_mode=2, headers=headers), mandatory=True,
+        )

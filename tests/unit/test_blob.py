@@ -1,0 +1,181 @@
+"""The chunked-blob protocol over a stand-in pika channel: what is sent is read back, or refused."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pika
+import pika.exceptions
+import pytest
+
+from fedmq.common.bus.blob import (
+    BLOB_PREFIX,
+    H_BLOB,
+    H_COUNT,
+    H_DIGEST,
+    H_INDEX,
+    H_SIZE,
+    BlobReader,
+    DecodeBlobError,
+    publish_blob,
+)
+
+BODY = bytes(range(256)) * 3 + b"tail"  # 772 bytes: 8 chunks of 100, the last short
+
+
+class FakeChannel:
+    """Queues in a dict; what goes to any other name is kept as the envelope."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, deque[tuple[pika.BasicProperties, bytes]]] = {}
+        self.envelopes: list[tuple[str, str, pika.BasicProperties]] = []
+        self.nacked: list[int] = []
+        self.gets = 0
+        self.is_open = True
+        self._tags = 0
+
+    def queue_declare(
+        self, queue: str, durable: bool = False, arguments: dict[str, Any] | None = None
+    ) -> None:
+        self.queues.setdefault(queue, deque())
+
+    def basic_publish(
+        self, exchange: str, key: str, body: bytes, props: pika.BasicProperties, mandatory: bool = False
+    ) -> None:
+        if exchange == "" and key in self.queues:
+            self.queues[key].append((props, body))
+        else:
+            assert body == b""
+            self.envelopes.append((exchange, key, props))
+
+    def basic_get(self, queue: str, auto_ack: bool = False) -> tuple[Any, Any, Any]:
+        self.gets += 1
+        if queue not in self.queues:
+            self.is_open = False
+            raise pika.exceptions.ChannelClosedByBroker(404, f"NOT_FOUND - no queue '{queue}'")
+        if not self.queues[queue]:
+            return None, None, None
+        props, body = self.queues[queue].popleft()
+        self._tags += 1
+        return SimpleNamespace(delivery_tag=self._tags), props, body
+
+    def basic_nack(self, tag: int, requeue: bool = False) -> None:
+        self.nacked.append(tag)
+
+    def queue_delete(self, queue: str) -> None:
+        self.queues.pop(queue, None)
+
+
+class FakeConnection:
+    def __init__(self, ch: FakeChannel) -> None:
+        self.ch = ch
+        self.opened = 0
+
+    def channel(self) -> FakeChannel:
+        self.opened += 1
+        self.ch.is_open = True
+        return self.ch
+
+    def sleep(self, seconds: float) -> None:
+        pass
+
+
+def sent(body: bytes = BODY, frame: int = 100) -> tuple[FakeChannel, dict[str, Any], list[int]]:
+    """Publish `body` as a blob; the channel, the envelope's headers and the chunk sizes counted."""
+    ch = FakeChannel()
+    counted: list[int] = []
+    props = pika.BasicProperties(delivery_mode=2, correlation_id="c1", headers={"k": "v"})
+    publish_blob(ch, "", "fedmq.aggregator", body, props,
+                 mandatory=True, frame_bytes=frame, on_chunk=counted.append)
+    [(exchange, key, envelope)] = ch.envelopes
+    assert (exchange, key, envelope.correlation_id) == ("", "fedmq.aggregator", "c1")
+    return ch, dict(envelope.headers), counted
+
+
+def reader(ch: FakeChannel, max_bytes: int = 10_000, wait_s: float = 1.0) -> tuple[BlobReader, list[int]]:
+    counted: list[int] = []
+    conn = FakeConnection(ch)
+    blobs = BlobReader(lambda: conn, max_bytes=max_bytes, wait_s=wait_s, on_chunk=counted.append)
+    return blobs, counted
+
+
+def test_a_blob_is_read_back_whole_in_memory_and_each_chunk_is_counted() -> None:
+    ch, headers, sent_sizes = sent()
+    assert headers["k"] == "v" and headers[H_BLOB].startswith(BLOB_PREFIX)
+    assert (headers[H_COUNT], headers[H_SIZE]) == (8, len(BODY))
+    assert headers[H_DIGEST] == hashlib.sha256(BODY).hexdigest()
+    assert [props.headers[H_INDEX] for props, _ in ch.queues[headers[H_BLOB]]] == list(range(8))
+    blobs, read_sizes = reader(ch)
+    tags: list[int] = []
+    assert blobs.read(headers, tags) == BODY
+    assert tags == list(range(1, 9))
+    assert read_sizes == sent_sizes == [100] * 7 + [72]
+
+
+def test_a_blob_is_read_back_into_a_file_in_the_spool(tmp_path: Path) -> None:
+    ch, headers, _ = sent()
+    path = reader(ch)[0].read_to_file(headers, tmp_path / "spool", [])
+    assert path.parent == tmp_path / "spool" and path.read_bytes() == BODY
+
+
+def test_a_wrong_digest_is_refused_and_leaves_no_file(tmp_path: Path) -> None:
+    ch, headers, _ = sent()
+    with pytest.raises(DecodeBlobError, match="digest mismatch"):
+        reader(ch)[0].read_to_file({**headers, H_DIGEST: "00"}, tmp_path, [])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_chunks_out_of_order_are_refused() -> None:
+    ch, headers, _ = sent()
+    chunks = ch.queues[headers[H_BLOB]]
+    chunks[0], chunks[1] = chunks[1], chunks[0]
+    with pytest.raises(DecodeBlobError, match=r"chunk 1 out of order or oversized \(expected 0\)"):
+        reader(ch)[0].read(headers, [])
+
+
+def test_a_blob_whose_chunks_stop_coming_is_refused_once_the_wait_is_over() -> None:
+    ch, headers, _ = sent()
+    ch.queues[headers[H_BLOB]].pop()
+    with pytest.raises(DecodeBlobError, match="only 7 of 8 chunks arrived"):
+        reader(ch, wait_s=0.01)[0].read(headers, [])
+
+
+def test_a_blob_over_the_limit_is_refused_before_any_chunk_is_read() -> None:
+    ch, headers, _ = sent()
+    with pytest.raises(DecodeBlobError, match=f"{len(BODY)} bytes is over the 100 limit"):
+        reader(ch, max_bytes=100)[0].read(headers, [])
+    assert ch.gets == 0
+
+
+@pytest.mark.parametrize("bad", [{H_BLOB: "fedmq.tasks"}, {H_COUNT: 0}, {H_SIZE: "772"}, {H_COUNT: 900}])
+def test_an_envelope_with_bad_headers_is_refused(bad: dict[str, Any]) -> None:
+    ch, headers, _ = sent()
+    with pytest.raises(DecodeBlobError):
+        reader(ch)[0].read({**headers, **bad}, [])
+    assert ch.gets == 0
+
+
+def test_a_missing_blob_queue_costs_only_the_chunk_channel() -> None:
+    ch, headers, _ = sent()
+    ch.queue_delete(headers[H_BLOB])
+    blobs, _ = reader(ch)
+    with pytest.raises(DecodeBlobError, match="blob queue unavailable: NOT_FOUND"):
+        blobs.read(headers, [])
+    blobs.requeue([1, 2])  # the channel is gone: nothing to give back on it
+    assert ch.nacked == []
+
+
+def test_requeue_gives_back_the_chunks_taken_and_delete_drops_the_queue() -> None:
+    ch, headers, _ = sent()
+    blobs, _ = reader(ch)
+    tags: list[int] = []
+    blobs.read(headers, tags)
+    blobs.requeue(tags)
+    assert ch.nacked == tags
+    blobs.delete("fedmq.tasks")  # not a blob: never deleted
+    blobs.delete(headers[H_BLOB])
+    assert headers[H_BLOB] not in ch.queues
