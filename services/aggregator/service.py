@@ -171,6 +171,7 @@ class AggregatorService:
             raise ValidationError("stale_round", f"round {msg.round} is not open")
         started = time.perf_counter()
         closed = aggregate_round(job, msg.round, msg.clients)
+        self.models.forget(job.job_id)
         self._report(job, closed, seconds=time.perf_counter() - started)
         job.store.drop_updates(msg.round)
 

@@ -53,12 +53,15 @@ class ModelServer:
             return to_wire(ModelReply(job_id=req.job_id, digest=req.digest, weights=weights))
         return to_wire(ModelReply(job_id=req.job_id, digest=req.digest, error="unknown model"))
 
+    def forget(self, job_id: str) -> None:
+        """The job's model changed: drop the reply kept for the old one."""
+        self._cache.pop(job_id, None)
+
     def _current(self, job: AggJob) -> bytes:
         """The reply for the job's current model, encoded once per round while it is small."""
         cached = self._cache.get(job.job_id)
         if cached is not None and cached[0] == job.digest:
             return cached[1]
-        self._cache.pop(job.job_id, None)  # a closed round's reply: free it before encoding this one
         body = to_wire(ModelReply(job_id=job.job_id, digest=job.digest, weights=dict(job.weights)))
         if len(body) <= REPLY_CACHE_BYTES:
             self._cache[job.job_id] = (job.digest, body)
