@@ -2,19 +2,57 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import structlog
 
+from fedmq.common.bus.base import Bus
 from fedmq.common.bus.rabbitmq import RabbitBus
+from fedmq.common.metrics import Metrics
+from fedmq.common.settings import Settings
 
 log = structlog.get_logger("fedmq.lifecycle")
 
 
 class Service(Protocol):
     def start(self) -> None: ...
+
+
+S = TypeVar("S", bound=Service)
+S_co = TypeVar("S_co", bound=Service, covariant=True)
+
+
+class ServiceFactory(Protocol[S_co]):
+    """How every service class is built: settings, its bus, its metrics."""
+
+    def __call__(self, settings: Settings, bus: Bus, *, metrics: Metrics) -> S_co: ...
+
+
+def run_service(
+    name: str,
+    settings: Settings,
+    factory: ServiceFactory[S],
+    *,
+    uses_torch: bool = False,
+    on_stop: Callable[[S], None] | None = None,
+) -> None:
+    """Serve one service as this process: a RabbitMQ bus, metrics on their port, until a signal.
+
+    `uses_torch` limits torch's threads first (the scheduler never imports torch);
+    `on_stop(service)` runs when a signal arrives, before the bus stops.
+    """
+    if uses_torch:
+        limit_torch_threads(settings.torch_threads)
+    bus = RabbitBus(settings, name=name)
+    metrics = Metrics()
+    bus.on_traffic = metrics.traffic
+    bus.on_dead_letter = metrics.dead_letter
+    metrics.serve(settings.metrics_port)
+    service = factory(settings, bus, metrics=metrics)
+    serve(service, bus, name, on_stop=None if on_stop is None else functools.partial(on_stop, service))
 
 
 def limit_torch_threads(threads: int) -> None:

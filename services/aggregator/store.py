@@ -11,11 +11,13 @@ An accepted update is written before it is acknowledged, so the round's
 results survive a restart, and a client's file exists at most once: that is
 what makes a redelivered update change nothing. At close the updates are read
 back one at a time in client order (bounded memory, order-independent result).
+
+This module is the layout and its durability (atomic writes, fsync) only: what
+the files mean to a round is the business of the modules that read them.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -27,8 +29,6 @@ import torch
 
 from fedmq.common import codec
 from fedmq.common.checkpoint import load_state, save_state
-from fedmq.common.messages import ClientUpdate
-from fedmq.services.aggregator.strategies import ClientResult
 
 
 class JobStore:
@@ -91,9 +91,9 @@ class JobStore:
     def has_update(self, server_round: int, client: int) -> bool:
         return self._update_path(server_round, client).exists()
 
-    def put_update(self, update: ClientUpdate, body: bytes | Path) -> None:
-        """Keep the update's body (moving it if it is a file); once it exists it is stored."""
-        dest = self._update_path(update.round, update.client)
+    def put_update(self, server_round: int, client: int, body: bytes | Path) -> None:
+        """Keep an update's body (moving it if it is a file); once it exists it is stored."""
+        dest = self._update_path(server_round, client)
         if isinstance(body, Path):
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.replace(body, dest)  # the spool file was fsynced when it was received
@@ -101,27 +101,12 @@ class JobStore:
         else:
             _atomic_write(dest, body)
 
-    def results(self, server_round: int, clients: list[int]) -> list[ClientResult]:
-        """The round's stored updates for `clients`, in client order, weights read lazily from disk."""
-        out = []
-        for client in sorted(set(clients)):
-            stored = codec.index_tensors(self._update_path(server_round, client))
-            out.append(
-                ClientResult(
-                    client=client,
-                    num_examples=int(stored.fields["num_examples"]),
-                    metrics={str(k): float(v) for k, v in dict(stored.fields.get("metrics", {})).items()},
-                    load=functools.partial(_itself, stored),
-                )
-            )
-        return out
+    def read_update(self, server_round: int, client: int) -> codec.TensorFile:
+        """A stored update: its other fields decoded, its weights read from disk only when accessed."""
+        return codec.index_tensors(self._update_path(server_round, client))
 
     def drop_updates(self, server_round: int) -> None:
         shutil.rmtree(self.root / "updates" / f"r{server_round}", ignore_errors=True)
-
-
-def _itself(value: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    return value
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -281,3 +281,10 @@ def test_importing_the_registry_does_not_import_torch() -> None:
     run = [sys.executable, "-c", code]
     result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr or "torch was imported"
+
+
+def test_importing_the_scheduler_process_wiring_does_not_import_torch() -> None:
+    code = "import sys, fedmq.services.scheduler.app; sys.exit('torch' in sys.modules)"
+    run = [sys.executable, "-c", code]
+    result = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr or "torch was imported"
