@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from fedmq.common.bus import topology
-from fedmq.common.bus.base import Bus, Delivery, Timer
+from fedmq.common.bus.base import Bus, Delivery
 from fedmq.common.errors import ConfigError, DecodeError, ValidationError
-from fedmq.common.jobspec import JobSpec, parse_job
+from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientFailure,
     EventKind,
@@ -33,7 +32,6 @@ from fedmq.common.messages import (
     RoundClose,
     RoundClosed,
     RoundOpen,
-    StatusReply,
     StatusRequest,
     TrainTask,
     UpdateAccepted,
@@ -42,30 +40,16 @@ from fedmq.common.messages import (
 )
 from fedmq.common.metrics import Metrics, reason_label
 from fedmq.common.settings import Settings
+from fedmq.services.scheduler.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, SchedJob
 from fedmq.services.scheduler.registry import Registry
 from fedmq.services.scheduler.rounds import Decision, RoundState
 from fedmq.services.scheduler.sampling import sample_clients
+from fedmq.services.scheduler.status import status_reply
 from fedmq.services.scheduler.store import JobRows
 
 log = structlog.get_logger("fedmq.scheduler")
 
-RUNNING, COMPLETED, FAILED, CANCELLED = "running", "completed", "failed", "cancelled"
 NUDGE_BEFORE = 0.2  # re-dispatch missing tasks when this share of the round's time is left
-
-
-@dataclass
-class SchedJob:
-    job_id: str
-    spec: JobSpec
-    raw_spec: dict[str, Any]
-    status: str = RUNNING
-    round: int = 0
-    model_digest: str = ""
-    state: RoundState | None = None
-    timer: Timer | None = None
-    nudge: Timer | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
-    reason: str = ""
 
 
 class SchedulerService:
@@ -148,50 +132,7 @@ class SchedulerService:
                 log.info("learner_joined", learner=msg.learner, device=msg.device,
                          alive=self.registry.alive_count)
             return
-        self.registry.sweep(now)
-        rows = self.registry.snapshot(now)
-        fleet = {
-            "alive": sum(r.alive for r in rows),
-            "busy": sum(r.busy for r in rows if r.alive),
-            "lost": [r.learner for r in rows if not r.alive],
-        }
-        reply = StatusReply(job_id=msg.job_id, fleet=fleet)
-        if msg.what == "learners":
-            reply = reply.model_copy(update={"learners": [i.as_dict(now) for i in rows]})
-        elif msg.what == "job":
-            job = self.jobs.get(msg.job_id)
-            if job is None:
-                reply = reply.model_copy(update={"error": f"no job {msg.job_id!r}"})
-            else:
-                reply = reply.model_copy(update={"jobs": [self._job_summary(job, history=True)]})
-        else:
-            reply = reply.model_copy(
-                update={"jobs": [self._job_summary(j, history=False) for j in self.jobs.values()]}
-            )
-        self.bus.reply(delivery, to_wire(reply))
-
-    def _job_summary(self, job: SchedJob, history: bool) -> dict[str, Any]:
-        last = job.history[-1] if job.history else {}
-        summary: dict[str, Any] = {
-            "job_id": job.job_id,
-            "name": job.spec.name,
-            "status": job.status,
-            "round": job.round,
-            "rounds": job.spec.rounds,
-            "test_accuracy": last.get("test_accuracy"),
-            "test_loss": last.get("test_loss"),
-            "reason": job.reason,
-            "model_path": last.get("model_path"),
-        }
-        if job.state is not None and job.status == RUNNING:
-            summary["reported"] = len(job.state.reported)
-            summary["sampled"] = len(job.state.clients)
-            summary["failed_clients"] = len(job.state.failed)
-            summary["retries_left"] = job.state.retries_left
-            summary["deadline_in_s"] = round(job.state.deadline - time.monotonic(), 1)
-        if history:
-            summary["history"] = job.history
-        return summary
+        self.bus.reply(delivery, to_wire(status_reply(msg, self.jobs, self.registry, now)))
 
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, JobSubmit):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmq.common.jobspec import parse_job
+from fedmq.services.scheduler.jobs import SchedJob
 from fedmq.services.scheduler.rounds import RoundState
 
 
@@ -31,7 +32,7 @@ class JobRows:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, data TEXT NOT NULL)")
 
-    def save(self, job: Any) -> None:
+    def save(self, job: SchedJob) -> None:
         self._db.execute(
             "INSERT INTO jobs (job_id, data) VALUES (?, ?) "
             "ON CONFLICT(job_id) DO UPDATE SET data = excluded.data",
@@ -43,7 +44,7 @@ class JobRows:
         return [_from_row(json.loads(data)) for (data,) in rows]
 
 
-def _to_row(job: Any) -> dict[str, Any]:
+def _to_row(job: SchedJob) -> dict[str, Any]:
     state = None
     if job.state is not None:
         state = asdict(job.state)

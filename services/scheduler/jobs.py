@@ -1,0 +1,27 @@
+"""The scheduler's record of one job: its spec, status, round, history and open round."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedmq.common.bus.base import Timer
+from fedmq.common.jobspec import JobSpec
+from fedmq.services.scheduler.rounds import RoundState
+
+RUNNING, COMPLETED, FAILED, CANCELLED = "running", "completed", "failed", "cancelled"
+
+
+@dataclass
+class SchedJob:
+    job_id: str
+    spec: JobSpec
+    raw_spec: dict[str, Any]
+    status: str = RUNNING
+    round: int = 0
+    model_digest: str = ""
+    state: RoundState | None = None
+    timer: Timer | None = None
+    nudge: Timer | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    reason: str = ""

@@ -1,0 +1,57 @@
+"""Answers to `fedmq status` and `fedmq learners`: the jobs and the fleet as the scheduler sees them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fedmq.common.messages import StatusReply, StatusRequest
+from fedmq.services.scheduler.jobs import RUNNING, SchedJob
+from fedmq.services.scheduler.registry import Registry
+
+
+def status_reply(
+    msg: StatusRequest, jobs: Mapping[str, SchedJob], registry: Registry, now: float
+) -> StatusReply:
+    """The reply to one status request; `now` is the scheduler's monotonic clock."""
+    registry.sweep(now)
+    rows = registry.snapshot(now)
+    fleet = {
+        "alive": sum(r.alive for r in rows),
+        "busy": sum(r.busy for r in rows if r.alive),
+        "lost": [r.learner for r in rows if not r.alive],
+    }
+    reply = StatusReply(job_id=msg.job_id, fleet=fleet)
+    if msg.what == "learners":
+        return reply.model_copy(update={"learners": [i.as_dict(now) for i in rows]})
+    if msg.what == "job":
+        job = jobs.get(msg.job_id)
+        if job is None:
+            return reply.model_copy(update={"error": f"no job {msg.job_id!r}"})
+        return reply.model_copy(update={"jobs": [job_summary(job, now, history=True)]})
+    return reply.model_copy(update={"jobs": [job_summary(j, now, history=False) for j in jobs.values()]})
+
+
+def job_summary(job: SchedJob, now: float, history: bool) -> dict[str, Any]:
+    """One job's row: status, round, last metrics, and the open round's bookkeeping."""
+    last = job.history[-1] if job.history else {}
+    summary: dict[str, Any] = {
+        "job_id": job.job_id,
+        "name": job.spec.name,
+        "status": job.status,
+        "round": job.round,
+        "rounds": job.spec.rounds,
+        "test_accuracy": last.get("test_accuracy"),
+        "test_loss": last.get("test_loss"),
+        "reason": job.reason,
+        "model_path": last.get("model_path"),
+    }
+    if job.state is not None and job.status == RUNNING:
+        summary["reported"] = len(job.state.reported)
+        summary["sampled"] = len(job.state.clients)
+        summary["failed_clients"] = len(job.state.failed)
+        summary["retries_left"] = job.state.retries_left
+        summary["deadline_in_s"] = round(job.state.deadline - now, 1)
+    if history:
+        summary["history"] = job.history
+    return summary
