@@ -1,7 +1,8 @@
-"""Shared fixtures: small job specs, isolated service settings, weight comparisons."""
+"""Shared fixtures: small job specs, isolated service settings, the test tiers, weight comparisons."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ import torch
 from fedmq.common.checkpoint import load_state
 from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
 from fedmq.common.settings import Settings
+from tests import rabbit
+from tests.tiers import mark_tiers
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,6 +24,19 @@ REPO = Path(__file__).resolve().parent.parent
 # another shuffle 10000x. Adam amplifies rounding (4 rounds: 1.4e-6, 83% of it) and so do long
 # jobs (the 30-round example: 2.7e-5): compare short SGD jobs.
 RTOL, ATOL = 1e-5, 1e-6
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mark_tiers(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    rabbit.RUNNING[:] = [item]  # so require_rabbitmq can check the test is marked
+    try:
+        return (yield)
+    finally:
+        rabbit.RUNNING.clear()
 
 
 def small_job(**changes: Any) -> JobSpec:

@@ -498,6 +498,7 @@ def test_random_bytes_decode_or_raise_only_decode_error(data: bytes) -> None:
 VALID = packb({"round": 3, "state": small_state(), "meta": ["x", 1.5, None, b"\x00"]})
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 @FUZZ
 @given(
     edits=st.lists(
@@ -521,6 +522,7 @@ def test_mutated_valid_encodings_decode_or_raise_only_decode_error(
     decode_or_decode_error(bytes(data))
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 @FUZZ
 @given(
     code=st.integers(0, 30),
