@@ -1,5 +1,5 @@
 # Two commands for a newcomer: `make run` trains the example job, `make test` runs every test.
-# While developing: `make test-fast` runs the tests that need no broker and take no time.
+# While developing: `make test-fast` runs the tests that need no broker and are quick (~30 s).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -11,7 +11,8 @@ JOB    ?= examples/digits.yaml
 run: $(STAMP)
 	$(BIN)/fedmq run $(JOB)
 
-test: $(STAMP) broker tools
+# Lint first: a lint error fails the build before the tests take their minutes.
+test: lint broker tools
 	$(BIN)/python -m pytest
 
 # Unit and in-memory integration tests: no RabbitMQ, nothing marked slow (tests/tiers.py).
@@ -34,8 +35,8 @@ tools:
 	@scripts/ensure-tools.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check fedmq common services tests benchmarks examples
-	$(BIN)/mypy -p fedmq
+	$(BIN)/ruff check .
+	$(BIN)/mypy -p fedmq -p tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/codec.py
