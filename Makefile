@@ -1,17 +1,23 @@
 # Two commands for a newcomer: `make run` trains the example job, `make test` runs every test.
+# While developing: `make test-fast` runs the tests that need no broker and are quick (~30 s).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 JOB    ?= examples/digits.yaml
 
-.PHONY: run test install lint typecheck bench broker tools clean
+.PHONY: run test test-fast install lint bench broker tools clean
 
 run: $(STAMP)
 	$(BIN)/fedmq run $(JOB)
 
-test: $(STAMP) broker tools
+# Lint first: a lint error fails the build before the tests take their minutes.
+test: lint broker tools
 	$(BIN)/python -m pytest
+
+# Unit and in-memory integration tests: no RabbitMQ, nothing marked slow (tests/tiers.py).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not rabbitmq and not slow"
 
 # torch first (the CPU wheel), then the project, so pip never reaches for a CUDA build.
 $(STAMP): pyproject.toml
@@ -29,8 +35,8 @@ tools:
 	@scripts/ensure-tools.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check fedmq common services tests benchmarks examples
-	$(BIN)/mypy -p fedmq
+	$(BIN)/ruff check .
+	$(BIN)/mypy -p fedmq -p tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/codec.py

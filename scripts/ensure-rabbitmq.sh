@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Start the local RabbitMQ when it is installed but not running. Never fails on its own:
-# the RabbitMQ tests decide whether a missing broker is a skip (laptop) or a failure (CI=true).
+# the RabbitMQ tests decide whether a missing broker is a skip (laptop) or a failure (CI=1, yes or true).
 set -u
 if ! command -v rabbitmq-server >/dev/null 2>&1; then
-  echo "ensure-rabbitmq: rabbitmq-server is not installed; RabbitMQ tests will skip (or fail under CI=true)" >&2
+  echo "ensure-rabbitmq: rabbitmq-server is not installed; RabbitMQ tests will skip (or fail under CI=1|yes|true)" >&2
   exit 0
 fi
 if rabbitmq-diagnostics -q ping >/dev/null 2>&1; then

@@ -2,7 +2,7 @@
 # Install the command-line tools the deployment tests use, when missing and we can:
 # promtool (Debian's prometheus) checks the Prometheus config and dashboard queries,
 # docker-compose validates compose.yaml. Without them those tests skip loudly, or fail
-# under CI=true. --no-install-recommends keeps docker-compose from pulling in a Docker engine.
+# under CI (CI=1, yes or true). --no-install-recommends keeps docker-compose from pulling in a Docker engine.
 set -u
 missing=()
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
@@ -15,5 +15,5 @@ fi
 echo "ensure-tools: apt-get install ${missing[*]}" >&2
 apt-get update -qq >/dev/null 2>&1
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
-  || echo "ensure-tools: apt-get install ${missing[*]} failed; those tests will skip (or fail under CI=true)" >&2
+  || echo "ensure-tools: apt-get install ${missing[*]} failed; those tests will skip (or fail under CI=1|yes|true)" >&2
 exit 0

@@ -1,16 +1,42 @@
-"""Shared fixtures: small job specs and isolated service settings."""
+"""Shared fixtures: small job specs, isolated service settings, the test tiers, weight comparisons."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from fedmq.common.jobspec import JobSpec, parse_job
+from fedmq.common.checkpoint import load_state
+from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
 from fedmq.common.settings import Settings
+from tests import rabbit
+from tests.tiers import mark_tiers
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Services against tests/reference.py, which adds in another order (float64 averages, plain SGD
+# arithmetic). |a - b| <= ATOL + RTOL * |b|. Measured on SGD jobs of 2-5 rounds like the tests'
+# (weights up to 1.0): max |a - b| 4.5e-8 to 1.8e-7, 2-4% of this tolerance. Bugs are far over
+# it: one client weighted by n+1 instead of n 460x, a learning rate off by 1e-4 (relative) 6x,
+# another shuffle 10000x. Adam amplifies rounding (4 rounds: 1.4e-6, 83% of it) and so do long
+# jobs (the 30-round example: 2.7e-5): compare short SGD jobs.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mark_tiers(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    rabbit.RUNNING[:] = [item]  # so require_rabbitmq can check the test is marked
+    try:
+        return (yield)
+    finally:
+        rabbit.RUNNING.clear()
 
 
 def small_job(**changes: Any) -> JobSpec:
@@ -36,12 +62,47 @@ def small_job(**changes: Any) -> JobSpec:
 
 def assert_bit_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
     """Same names, dtypes, shapes and bytes: equality that NaN or -0.0 cannot fool."""
-    import torch
-
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
         assert torch.equal(a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)), name
+
+
+def assert_matches_reference(result: dict[str, Any], expected: dict[str, Any]) -> None:
+    """A run's final weights and per-round accuracies against tests/reference.py's, within float error."""
+    weights = load_state(result["model_path"])[0]
+    assert weights.keys() == expected["weights"].keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, expected["weights"][name], rtol=RTOL, atol=ATOL, msg=name)
+    # Weights a few ulps apart may put a test example either side of a tie: allow one example.
+    one_example = 1 / expected["test_examples"]
+    accuracies = [h["test_accuracy"] for h in result["history"][1:]]
+    assert accuracies == pytest.approx(expected["accuracies"], rel=0, abs=one_example)
+
+
+class EmbeddedRuns:
+    """Undisturbed embedded runs (in-memory bus, one learner), one per spec per session."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._weights: dict[str, dict[str, torch.Tensor]] = {}
+
+    def weights(self, spec: JobSpec) -> dict[str, torch.Tensor]:
+        """The final weights every other run of `spec` must match bit for bit."""
+        from fedmq.services.cli.embedded import run_job
+
+        key = canonical_json(spec)
+        if key not in self._weights:
+            state = self.root / f"run-{len(self._weights)}"
+            result = run_job(spec, Settings(state_dir=state, log_format="json"), idle_timeout=60)
+            assert result["status"] == "completed", result
+            self._weights[key] = load_state(result["model_path"])[0]
+        return self._weights[key]
+
+
+@pytest.fixture(scope="session")
+def embedded_runs(tmp_path_factory: pytest.TempPathFactory) -> EmbeddedRuns:
+    return EmbeddedRuns(tmp_path_factory.mktemp("embedded"))
 
 
 @pytest.fixture

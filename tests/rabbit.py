@@ -1,4 +1,8 @@
-"""RabbitMQ for tests: a fresh vhost per test, a loud skip without a broker, a failure under CI."""
+"""RabbitMQ for tests: a fresh vhost per test, a loud skip without a broker, a failure under CI.
+
+Every test that gets here must carry the `rabbitmq` marker (tests/tiers.py adds it), so that
+`pytest -m "not rabbitmq"` is exactly the broker-free tier; one that does not fails, broker or not.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import pytest
+
+from tests.ci import under_ci
 
 BASE_URL = os.environ.get("FEDMQ_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/")
 
@@ -29,12 +35,20 @@ def _unavailable() -> str | None:
     return None
 
 
+# The test pytest is running now, set by tests/conftest.py; empty outside pytest (benchmarks).
+RUNNING: list[pytest.Item] = []
+
+
 def require_rabbitmq() -> None:
+    """Return if a broker answers; else skip loudly, or fail under CI."""
+    if RUNNING and RUNNING[0].get_closest_marker("rabbitmq") is None:
+        pytest.fail(f"{RUNNING[0].nodeid} uses RabbitMQ but is not marked `rabbitmq`: "
+                    "teach tests/tiers.py how to see it, or mark it by hand")
     reason = _unavailable()
     if reason is None:
         return
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"RabbitMQ is required under CI=true: {reason}")
+    if under_ci():
+        pytest.fail(f"RabbitMQ is required under CI: {reason}")
     pytest.skip(f"SKIPPING RabbitMQ TEST: {reason}")
 
 
@@ -63,7 +77,7 @@ def dead_letters(url: str) -> list[tuple[dict, bytes]]:
     conn = pika.BlockingConnection(pika.URLParameters(url))
     try:
         ch = conn.channel()
-        out = []
+        out: list[tuple[dict, bytes]] = []
         while True:
             method, props, body = ch.basic_get("fedmq.dead", auto_ack=True)
             if method is None:

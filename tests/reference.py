@@ -1,7 +1,23 @@
-"""A plain single-process FedAvg loop: the oracle fedmq's services must agree with bit for bit.
+"""A plain FedAvg loop written from the paper, the oracle the services are compared against.
 
-It reuses fedmq's pure pieces (sampling, partitions, the local trainer, the kernel)
-and none of its plumbing: no bus, no services, no disk.
+FedAvg is Algorithm 1 of McMahan et al. 2017, "Communication-Efficient Learning of Deep
+Networks from Decentralized Data": each round the server sends w to a sample of clients;
+client k runs E epochs of minibatch SGD on its n_k examples; the server's new w is
+sum_k (n_k / n) w_k. FedAvgM (Hsu et al. 2019) adds a server step with momentum.
+
+Shared with fedmq, because they define the problem rather than the algorithm: the seed
+streams (`fedmq.common.seeding`), the dataset, its split over clients, the initial model and
+each round's client sample (`sample_clients`). Each has unit tests of its own, and computing
+them afresh would only test that two copies agree. Written here afresh, and shared with
+nothing in fedmq: local training (its own loop and SGD step; `torch.optim.Adam` for adam),
+the weighted average, the FedAvgM server step, and accuracy. The only rule the training
+shares is the one a reproducible run needs: round r, client k shuffles each epoch with
+`torch.randperm(n_k, generator=torch_generator(seed, "train", r, k))`.
+
+The float operations come in another order than the services' (a float64 average, plain
+SGD arithmetic, one evaluation batch), so the services agree with this loop to within a
+float tolerance (`tests/conftest.py`), not bit for bit. `train.entrypoint` is ignored: the
+test plug-ins only delay, gate or fail the built-in training.
 """
 
 from __future__ import annotations
@@ -10,40 +26,126 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 
-from fedmq.common.jobspec import JobSpec
+from fedmq.common.jobspec import AverageStrategy, FedAvgMStrategy, JobSpec, TrainSpec
 from fedmq.common.seeding import torch_generator
 from fedmq.common.workloads.datasets import load_dataset
 from fedmq.common.workloads.models import build_model
 from fedmq.common.workloads.partition import partition
-from fedmq.services.aggregator.evaluation import evaluate
-from fedmq.services.aggregator.strategies import ClientResult, build_strategy
-from fedmq.services.learner.training import train_local
 from fedmq.services.scheduler.sampling import sample_clients
+
+Weights = dict[str, torch.Tensor]
 
 
 def reference_fedavg(spec: JobSpec) -> dict[str, Any]:
-    """Train `spec` in one loop; returns final weights, per-round accuracy and round times."""
+    """Train `spec` in one loop: final weights, per-round accuracy, round times, test set size."""
     data = load_dataset(spec.data, spec.seed)
-    parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
+    shards = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
     model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
-    strategy = build_strategy(spec)
     x, y = torch.tensor(data.x_train), torch.tensor(data.y_train)
     x_test, y_test = torch.tensor(data.x_test), torch.tensor(data.y_test)
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    w = _copy(model)
+    velocity: Weights = {}
     accuracies, round_seconds = [], []
     for r in range(1, spec.rounds + 1):
         started = time.perf_counter()
-        results = []
-        for c in sample_clients(spec.seed, r, spec.clients.total, spec.clients.sampled):
-            model.load_state_dict(weights)
-            idx = torch.from_numpy(parts[c])
-            train_local(model, x[idx], y[idx], spec.train, torch_generator(spec.seed, "train", r, c),
-                        torch.device("cpu"))
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            results.append(ClientResult(client=c, num_examples=len(idx), load=lambda s=state: s))
-        weights = strategy.aggregate(r, weights, results)
-        model.load_state_dict(weights)
-        accuracies.append(evaluate(model, x_test, y_test)[1])
+        updates = []
+        for k in sample_clients(spec.seed, r, spec.clients.total, spec.clients.sampled):
+            model.load_state_dict(w)
+            rows = torch.from_numpy(shards[k])
+            client_update(model, x[rows], y[rows], spec.train, torch_generator(spec.seed, "train", r, k))
+            updates.append((len(rows), _copy(model)))
+        if isinstance(spec.strategy, AverageStrategy):
+            updates = [(1, w_k) for _, w_k in updates]
+        averaged = weighted_average(updates)
+        if isinstance(spec.strategy, FedAvgMStrategy):
+            averaged = server_momentum_step(
+                w, averaged, velocity, spec.strategy.server_lr, spec.strategy.server_momentum
+            )
+        w = averaged
+        model.load_state_dict(w)
+        accuracies.append(accuracy(model, x_test, y_test))
         round_seconds.append(time.perf_counter() - started)
-    return {"weights": weights, "accuracies": accuracies, "round_seconds": round_seconds}
+    return {"weights": w, "accuracies": accuracies, "round_seconds": round_seconds,
+            "test_examples": len(y_test)}
+
+
+def client_update(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainSpec, generator: torch.Generator
+) -> None:
+    """E epochs over the client's data in shuffled minibatches of B, cross-entropy loss."""
+    model.train()
+    params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+    adam = None
+    if train.optimizer == "adam":
+        adam = torch.optim.Adam(params, lr=train.lr, weight_decay=train.weight_decay)
+    bufs: list[torch.Tensor | None] = [None] * len(params)  # SGD's momentum buffers
+    steps = 0
+    for _ in range(train.epochs):
+        for batch in torch.randperm(len(x), generator=generator).split(train.batch_size):
+            for p in params:
+                p.grad = None
+            nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+            if adam is not None:
+                adam.step()
+            else:
+                sgd_step(params, bufs, train.lr, train.momentum, train.weight_decay)
+            steps += 1
+            if steps == train.max_steps:
+                return
+
+
+@torch.no_grad()
+def sgd_step(
+    params: list[torch.Tensor], bufs: list[torch.Tensor | None], lr: float, mu: float, decay: float
+) -> None:
+    """w <- w - lr * v, with g = grad + decay * w and v = mu * v + g (v = g on the first step)."""
+    for i, p in enumerate(params):
+        assert p.grad is not None
+        g = p.grad + decay * p if decay else p.grad
+        if mu:
+            before = bufs[i]
+            g = g.clone() if before is None else mu * before + g
+            bufs[i] = g
+        p.sub_(lr * g)
+
+
+def weighted_average(updates: list[tuple[int, Weights]]) -> Weights:
+    """sum_k (n_k / n) w_k per tensor, in float64; integer tensors are rounded back."""
+    n = sum(n_k for n_k, _ in updates)
+    out: Weights = {}
+    for name, like in updates[0][1].items():
+        mean = sum(w_k[name].double() * (n_k / n) for n_k, w_k in updates)
+        assert isinstance(mean, torch.Tensor)
+        out[name] = (mean if like.is_floating_point() else mean.round()).to(like.dtype)
+    return out
+
+
+def server_momentum_step(
+    w: Weights, averaged: Weights, velocity: Weights, lr: float, beta: float
+) -> Weights:
+    """FedAvgM: pseudo-gradient d = w - avg; v <- beta * v + d (v starts at 0); w <- w - lr * v.
+
+    `velocity` is updated in place; integer tensors take the average.
+    """
+    out: Weights = {}
+    for name, w_t in w.items():
+        if not w_t.is_floating_point():
+            out[name] = averaged[name]
+            continue
+        d = w_t - averaged[name]
+        velocity[name] = beta * velocity[name] + d if name in velocity else d
+        out[name] = w_t - lr * velocity[name]
+    return out
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The fraction of test examples whose largest logit is their label."""
+    model.eval()
+    return int((model(x).argmax(dim=1) == y).sum()) / len(y)
+
+
+def _copy(model: nn.Module) -> Weights:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}

@@ -44,7 +44,10 @@ def test_the_example_job_survives_seeded_chaos(tmp_path: Path) -> None:
         job_id = c.fedmq("submit", str(spec_path)).stdout.strip()
         for at_round, action in plan:
             remaining = deadline - time.monotonic()
-            assert c.wait_for(lambda r=at_round: c.job_round(job_id) >= r, timeout=max(1.0, remaining)), (
+            def reached(r: int = at_round) -> bool:
+                return c.job_round(job_id) >= r
+
+            assert c.wait_for(reached, timeout=max(1.0, remaining)), (
                 f"stuck before round {at_round} after {done}"
             )
             time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside the round

@@ -69,15 +69,17 @@ def test_sigterm_mid_task_returns_the_task_and_the_job_completes_elsewhere(tmp_p
     spec.write_text(
         (REPO / "examples" / "digits.yaml").read_text()
         .replace("rounds: 30", "rounds: 1").replace("total: 10, per_round: 10, min_fit: 8", "total: 2")
-        .replace("optimizer: sgd", "optimizer: sgd, entrypoint: 'tests.integration.train_plugins:slow'")
+        .replace("optimizer: sgd", "optimizer: sgd, entrypoint: 'tests.integration.train_plugins:gated'")
     )
-    with cluster(tmp_path, learners=1, FEDMQ_TEST_TRAIN_SLEEP_S="3") as c:
+    gate = tmp_path / "training-may-finish"  # until it exists, every training waits
+    with cluster(tmp_path, learners=1, FEDMQ_TEST_TRAIN_GATE=str(gate)) as c:
         c.wait_learners(1)
         job_id = c.fedmq("submit", str(spec)).stdout.strip()
         busy = c.wait_for(lambda: '"task_trained"' not in c.log("learner-0")
                           and any(r["busy"] for r in c.learner_rows()))
         assert busy
         assert c.stop("learner-0") == 0  # SIGTERM while it trains
+        gate.touch()
         c.start("learner", "learner-1", FEDMQ_REPLICA="1")
         watched = c.fedmq("watch", job_id, "--json")
     assert watched.returncode == 0, watched.stderr

@@ -22,10 +22,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+Samples = dict[str, list[tuple[dict[str, str], float]]]  # by metric name: (labels, value)
+Finished = tuple[dict[str, Samples], dict[str, str]]  # by service: its samples, its log
+
+
+def scrape(port: int) -> Samples:
     """Samples by name from one /metrics endpoint."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    out: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             out.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
@@ -38,7 +42,7 @@ def dashboard_metrics() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def finished_job(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def finished_job(tmp_path_factory: pytest.TempPathFactory) -> Finished:
     root = tmp_path_factory.mktemp("obs")
     spec = root / "job.yaml"
     spec.write_text(
@@ -62,11 +66,11 @@ def finished_job(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-u
     return samples, logs
 
 
-def total(samples: dict, name: str) -> float:
+def total(samples: dict[str, Samples], name: str) -> float:
     return sum(v for per_service in samples.values() for _, v in per_service.get(name, []))
 
 
-def test_every_metric_the_dashboard_plots_is_exported(finished_job) -> None:  # type: ignore[no-untyped-def]
+def test_every_metric_the_dashboard_plots_is_exported(finished_job: Finished) -> None:
     samples, _ = finished_job
     exported = {name for per_service in samples.values() for name in per_service}
     wanted = dashboard_metrics()
@@ -75,7 +79,7 @@ def test_every_metric_the_dashboard_plots_is_exported(finished_job) -> None:  # 
         assert {name, f"{name}_total", f"{name}_bucket"} & exported, f"{name} is not exported"
 
 
-def test_the_metrics_agree_with_the_job(finished_job) -> None:  # type: ignore[no-untyped-def]
+def test_the_metrics_agree_with_the_job(finished_job: Finished) -> None:
     samples, _ = finished_job
     assert total(samples, "fedmq_rounds_completed_total") == 3
     accuracies = [v for _, v in samples["scheduler"]["fedmq_global_accuracy_ratio"]]
@@ -88,7 +92,7 @@ def test_the_metrics_agree_with_the_job(finished_job) -> None:  # type: ignore[n
     assert 1 <= total(samples, "fedmq_learner_model_fetches_total") <= 2 * 3
 
 
-def test_log_lines_written_while_handling_a_round_are_json_with_job_and_round(finished_job) -> None:  # type: ignore[no-untyped-def]
+def test_log_lines_written_while_handling_a_round_are_json_with_job_and_round(finished_job: Finished) -> None:
     _, logs = finished_job
     handling = {"update_accepted", "round_closed", "task_trained", "round_closing"}
     seen = set()

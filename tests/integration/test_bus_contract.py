@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -29,7 +29,7 @@ def running(transport: Transport, name: str) -> Iterator[Bus]:
         thread.join(WAIT)
 
 
-def collector(into: queue.Queue[Delivery], ack: bool = True):  # type: ignore[no-untyped-def]
+def collector(into: queue.Queue[Delivery], ack: bool = True) -> Callable[[Delivery], None]:
     def handle(delivery: Delivery) -> None:
         into.put(delivery)
         if ack:
@@ -109,7 +109,11 @@ def test_ack_from_a_worker_thread_is_honoured(transport: Transport) -> None:
     got: queue.Queue[Delivery] = queue.Queue()
     with running(transport, "consumer") as consumer:
         def handle(delivery: Delivery) -> None:
-            threading.Thread(target=lambda: (got.put(delivery), delivery.ack())).start()
+            def take_and_ack() -> None:
+                got.put(delivery)
+                delivery.ack()
+
+            threading.Thread(target=take_and_ack).start()
 
         consumer.consume("fedmq.tasks", handle, prefetch=1)
         for body in (b"1", b"2", b"3"):

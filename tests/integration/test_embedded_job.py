@@ -11,7 +11,7 @@ from fedmq.common.workloads.datasets import load_dataset
 from fedmq.common.workloads.partition import partition
 from fedmq.services.aggregator.evaluation import evaluate
 from fedmq.services.cli.embedded import run_job
-from tests.conftest import assert_bit_identical, small_job
+from tests.conftest import assert_bit_identical, assert_matches_reference, small_job
 from tests.integration import train_plugins
 from tests.reference import reference_fedavg
 
@@ -133,11 +133,10 @@ def test_a_round_below_quorum_fails_the_job_with_a_reason(settings: Settings) ->
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedavgm"])
-def test_the_services_compute_exactly_what_a_plain_fedavg_loop_computes(
-    settings: Settings, strategy: str
-) -> None:
+def test_the_services_compute_what_a_plain_fedavg_loop_computes(settings: Settings, strategy: str) -> None:
+    # Within float error (tests/conftest.py): the loop is written independently, so it adds in
+    # another order. Bit-identity between service runs is the business of the tests above.
     spec = small_job(clients__total=8, clients__per_round=5, strategy={"name": strategy})
     result = run_job(spec, settings, idle_timeout=60)
-    expected = reference_fedavg(spec)
-    assert_bit_identical(final_weights(result), expected["weights"])
-    assert [h["test_accuracy"] for h in result["history"][1:]] == expected["accuracies"]
+    assert result["status"] == "completed"
+    assert_matches_reference(result, reference_fedavg(spec))

@@ -1,10 +1,16 @@
 """Hostile input published straight to the queues: each piece is refused with its reason and
-counted, and the job in progress finishes with exactly the weights it would have had."""
+counted, and the job in progress finishes with exactly the weights it would have had.
+
+The crafted updates name a real client of the round in progress; that client's own training
+waits until the aggregator has refused every crafted message, so they land first by design.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pika
@@ -14,13 +20,14 @@ from fedmq.common.bus import topology
 from fedmq.common.bus.blob import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
+from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import ClientUpdate, JobEvent, to_wire
 from fedmq.common.settings import Settings
 from fedmq.common.workloads.datasets import load_dataset
 from fedmq.common.workloads.models import build_model
 from fedmq.services.cli.embedded import run_job
 from fedmq.services.scheduler.sampling import sample_clients
-from tests.conftest import assert_bit_identical, small_job
+from tests.conftest import EmbeddedRuns, assert_bit_identical, assert_matches_reference, small_job
 from tests.integration import train_plugins
 from tests.rabbit import fresh_vhost
 from tests.reference import reference_fedavg
@@ -35,7 +42,33 @@ class DoublingBus(RabbitBus):
             super().publish(queue, body, **kwargs)
 
 
-def hostile_messages(job_id: str, digest: str, spec, client: int) -> list[tuple[str, bytes, dict]]:  # type: ignore[no-untyped-def]
+class WatchedBus(RabbitBus):
+    """The aggregator's bus: besides the cluster's metrics hook, tells the test of each dead letter."""
+
+    def __init__(self, settings: Settings, name: str, seen: Callable[[str], None]) -> None:
+        self._seen = seen
+        self._hook: Callable[[str], None] | None = None
+        super().__init__(settings, name)
+
+    @property
+    def on_dead_letter(self) -> Callable[[str], None]:
+        return self._refused
+
+    @on_dead_letter.setter
+    def on_dead_letter(self, hook: Callable[[str], None] | None) -> None:
+        self._hook = hook
+
+    def _refused(self, reason: str) -> None:
+        if self._hook is not None:
+            self._hook(reason)
+        self._seen(reason)
+
+
+# What reaches the aggregator's queue: 9 crafted messages and the envelopes of 2 broken blobs.
+TO_AGGREGATOR = 11
+
+
+def hostile_messages(job_id: str, digest: str, spec: JobSpec, client: int) -> list[tuple[str, bytes, dict]]:
     data = load_dataset(spec.data, spec.seed)
     good = build_model(spec.model, data.input_shape, data.num_classes, spec.seed).state_dict()
     name = next(iter(good))
@@ -86,32 +119,49 @@ def publish_hostile(url: str, messages: list[tuple[str, bytes, dict]]) -> None:
     conn.close()
 
 
-def test_hostile_input_is_refused_counted_and_changes_nothing(tmp_path) -> None:
-    spec = small_job(rounds=3, train__entrypoint="tests.integration.train_plugins:slow")
+def test_hostile_input_is_refused_counted_and_changes_nothing(
+    tmp_path: Path, embedded_runs: EmbeddedRuns
+) -> None:
+    spec = small_job(rounds=3, train__entrypoint="tests.integration.train_plugins:gated")
+    undisturbed = embedded_runs.weights(spec)
     last_client = max(sample_clients(spec.seed, 2, spec.clients.total, spec.clients.sampled))
     with fresh_vhost() as url:
         settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=64 * 1024, blob_wait_s=0.5)
         digests: dict[int, str] = {}
         injected = threading.Event()
+        # The real update for the client the crafted ones name waits until all were refused.
+        refused: list[str] = []
+        real_update_may_go = train_plugins.gate(spec.seed, 2, last_client)
 
         def on_event(event: JobEvent) -> None:
             if event.kind == "round_completed" and event.round is not None:
                 digests[event.round] = event.data["model_digest"]
             if event.kind == "round_started" and event.round == 2 and not injected.is_set():
                 injected.set()
-                publish_hostile(url, hostile_messages(event.job_id, digests[1], spec, last_client))
+                messages = hostile_messages(event.job_id, digests[1], spec, last_client)
+                assert sum(queue == topology.AGGREGATOR for queue, _, _ in messages) + 2 == TO_AGGREGATOR
+                publish_hostile(url, messages)
+
+        def aggregator_refused(reason: str) -> None:
+            refused.append(reason)
+            if len(refused) == TO_AGGREGATOR:
+                real_update_may_go.set()
 
         def connect(name: str) -> RabbitBus:
+            if name == "aggregator":
+                return WatchedBus(settings, name, aggregator_refused)
             return (DoublingBus if name.startswith("learner") else RabbitBus)(settings, name)
 
-        train_plugins.SECONDS[0] = 0.4  # the crafted updates land before the real one for their client
         try:
             result = run_job(spec, settings, connect=connect, on_event=on_event, idle_timeout=60)
         finally:
-            train_plugins.SECONDS[0] = 0.0
+            train_plugins.reset()
     assert injected.is_set()
     assert result["status"] == "completed"
-    assert_bit_identical(load_state(result["model_path"])[0], reference_fedavg(spec)["weights"])
+    assert [h["failed"] for h in result["history"][1:]] == [0, 0, 0], "the gate opened in time"
+    assert len(refused) == TO_AGGREGATOR
+    assert_bit_identical(load_state(result["model_path"])[0], undisturbed)
+    assert_matches_reference(result, reference_fedavg(spec))
     assert result["dead_letters"] == {
         "decode": 5,  # garbage, truncated, wrong schema (aggregator); scheduler; learner
         "wrong_shape": 1, "non_finite": 1, "bad_example_count": 1, "unknown_job": 1,

@@ -7,6 +7,7 @@ import queue
 import subprocess
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pika
@@ -18,13 +19,15 @@ from fedmq.common.checkpoint import load_state
 from fedmq.common.messages import JobEvent
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
-from tests.conftest import assert_bit_identical, small_job
+from tests.conftest import EmbeddedRuns, assert_bit_identical, assert_matches_reference, small_job
 from tests.integration.test_bus_contract import WAIT
 from tests.rabbit import dead_letters, fresh_vhost
 from tests.reference import reference_fedavg
 
 
-def test_a_job_survives_the_broker_closing_every_connection(tmp_path) -> None:
+def test_a_job_survives_the_broker_closing_every_connection(
+    tmp_path: Path, embedded_runs: EmbeddedRuns
+) -> None:
     spec = small_job(rounds=5, round_timeout_s=20)
     with fresh_vhost() as url:
         vhost = urlsplit(url).path.lstrip("/")
@@ -42,7 +45,8 @@ def test_a_job_survives_the_broker_closing_every_connection(tmp_path) -> None:
     assert closed.is_set()
     assert result["status"] == "completed"
     assert result["reconnects"] >= 3, "scheduler, aggregator and learners all had to reconnect"
-    assert_bit_identical(load_state(result["model_path"])[0], reference_fedavg(spec)["weights"])
+    assert_bit_identical(load_state(result["model_path"])[0], embedded_runs.weights(spec))
+    assert_matches_reference(result, reference_fedavg(spec))
 
 
 def test_a_consumer_cancelled_by_the_broker_subscribes_again(tmp_path) -> None:

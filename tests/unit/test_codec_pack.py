@@ -193,6 +193,7 @@ def test_random_bytes_decode_or_raise_only_decode_error(data: bytes) -> None:
 VALID = packb({"round": 3, "state": small_state(), "meta": ["x", 1.5, None, b"\x00"]})
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 @FUZZ
 @given(
     edits=st.lists(

@@ -187,6 +187,7 @@ def test_corrupted_tensor_header_raises_decode_error(payload: bytes) -> None:
         unpackb(pack_ext(TENSOR_EXT, payload))
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 @FUZZ
 @given(
     code=st.integers(0, 30),

@@ -3,7 +3,7 @@
 compose.yaml is validated by Debian's `docker-compose config` and by the Compose Specification's
 JSON schema (vendored by the check-jsonschema package); the Prometheus configuration and every
 dashboard query by `promtool` (Debian package `prometheus`). A missing tool is a loud skip, and a
-failure under CI=true. The RabbitMQ definitions are checked against what the bus code declares,
+failure under CI (tests/ci.py). The RabbitMQ definitions are checked against what the bus code declares,
 publishes and consumes, and, where a broker runs, by running the services as their own users.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -29,6 +28,7 @@ import yaml
 from fedmq.common.bus import blob, topology
 from fedmq.common.metrics import DURATION_BUCKETS, Metrics
 from fedmq.common.settings import Settings
+from tests.ci import under_ci
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -50,15 +50,11 @@ METRIC_NAME = re.compile(r"\bfedmq_[a-z_]+")
 HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
 
 
-def _on_ci() -> bool:
-    return os.environ.get("CI", "").lower() == "true"
-
-
 def _missing(what: str, how: str) -> None:
-    """A tool the check needs is missing: fail under CI=true, else skip loudly."""
+    """A tool the check needs is missing: fail under CI, else skip loudly."""
     message = f"{what} is missing: {how}"
-    if _on_ci():
-        pytest.fail(f"required under CI=true: {message}")
+    if under_ci():
+        pytest.fail(f"required under CI: {message}")
     pytest.skip(f"SKIPPING DEPLOY CHECK: {message}")
 
 
@@ -193,7 +189,8 @@ def test_fedmq_environment_is_made_of_real_settings(compose: dict[str, Any]) -> 
         unknown = [k for k in env if k.removeprefix("FEDMQ_").lower() not in fields]
         assert not unknown, f"{name}: {unknown} are not fedmq settings (common/settings.py)"
         # And the values pass the settings' own validation.
-        Settings(_env_file=None, **{k.removeprefix("FEDMQ_").lower(): v for k, v in env.items()})
+        values: dict[str, Any] = {k.removeprefix("FEDMQ_").lower(): v for k, v in env.items()}
+        Settings(_env_file=None, **values)
 
 
 def test_rabbitmq_service_mounts_the_deploy_files(compose: dict[str, Any]) -> None:
@@ -304,7 +301,7 @@ def test_definitions_declare_exactly_the_topology_the_services_declare() -> None
     needs read on it and write on the DLX, rights only the scheduler holds); the arguments must be
     the services' own, or their declarations fail with 406 PRECONDITION_FAILED."""
     ch = _RecordingChannel()
-    topology.declare_topology(ch, Settings(_env_file=None))  # type: ignore[arg-type]
+    topology.declare_topology(ch, Settings(_env_file=None))
     defs = _definitions()
     assert {e["name"]: e["type"] for e in defs["exchanges"]} == ch.exchanges
     assert {q["name"]: q["arguments"] for q in defs["queues"]} == ch.queues

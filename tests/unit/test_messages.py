@@ -357,6 +357,7 @@ def decodes_or_refuses(data: bytes) -> None:
         from_wire(data)
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(index=st.integers(0, len(ENCODED) - 1), ops=st.lists(mutation, min_size=1, max_size=4))
 def test_a_mutated_encoding_decodes_or_raises_only_decode_error(
@@ -380,6 +381,7 @@ _values = st.recursive(
 )
 
 
+@pytest.mark.slow  # a fuzzer: seconds
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kind=st.sampled_from(sorted(SAMPLES)),
