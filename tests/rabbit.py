@@ -43,7 +43,7 @@ def require_rabbitmq() -> None:
     """Return if a broker answers; else skip loudly, or fail under CI."""
     if RUNNING and RUNNING[0].get_closest_marker("rabbitmq") is None:
         pytest.fail(f"{RUNNING[0].nodeid} uses RabbitMQ but is not marked `rabbitmq`: "
-                    "teach tests/tiers.py how to see it, or mark it by hand")
+                    "mark it with @pytest.mark.rabbitmq (tests/tiers.py)")
     reason = _unavailable()
     if reason is None:
         return

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pytest
+
 from fedmq.common.checkpoint import load_state
 from fedmq.common.jobspec import load_job
 from fedmq.common.settings import Settings
@@ -28,6 +30,8 @@ LEARNERS = 3
 BUDGET_S = 240.0
 
 
+
+pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
 
 
 def test_the_example_job_survives_seeded_chaos(tmp_path: Path) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from fedmq.common.checkpoint import load_state
 from fedmq.common.jobspec import load_job
 from fedmq.common.settings import Settings
@@ -13,6 +15,7 @@ from tests.conftest import REPO, assert_bit_identical
 from tests.e2e.cluster import cluster
 
 
+@pytest.mark.rabbitmq
 def test_processes_train_the_example_to_exactly_the_embedded_weights(tmp_path: Path) -> None:
     with cluster(tmp_path, learners=3) as c:
         rows = c.wait_learners(3)
@@ -40,6 +43,7 @@ def test_processes_train_the_example_to_exactly_the_embedded_weights(tmp_path: P
     assert_bit_identical(distributed, load_state(embedded["model_path"])[0])
 
 
+@pytest.mark.rabbitmq
 def test_watch_of_a_failing_job_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
     spec = tmp_path / "bad-plugin.yaml"
     spec.write_text(
@@ -64,6 +68,7 @@ def test_an_unreachable_broker_is_one_clear_line(tmp_path: Path) -> None:
         assert "hunter2" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.rabbitmq
 def test_sigterm_mid_task_returns_the_task_and_the_job_completes_elsewhere(tmp_path: Path) -> None:
     spec = tmp_path / "slow.yaml"
     spec.write_text(
@@ -88,6 +93,7 @@ def test_sigterm_mid_task_returns_the_task_and_the_job_completes_elsewhere(tmp_p
     assert '"task_redelivered"' in c.log("learner-1")
 
 
+@pytest.mark.rabbitmq
 def test_watching_a_job_that_already_ended_reports_its_model(tmp_path: Path) -> None:
     spec = tmp_path / "short.yaml"
     spec.write_text((REPO / "examples" / "digits.yaml").read_text().replace("rounds: 30", "rounds: 2"))

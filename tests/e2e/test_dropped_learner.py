@@ -7,9 +7,13 @@ import signal
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 from tests.e2e.cluster import Cluster, cluster
 from tests.e2e.test_observability import free_port
+
+pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
 
 
 def lost_learners(c: Cluster) -> list[str]:

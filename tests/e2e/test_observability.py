@@ -15,6 +15,8 @@ from tests.e2e.cluster import cluster
 
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "fedmq.json"
 
+pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
+
 
 def free_port() -> int:
     with socket.socket() as s:

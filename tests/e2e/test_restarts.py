@@ -6,12 +6,16 @@ import json
 import signal
 from pathlib import Path
 
+import pytest
+
 from fedmq.common.checkpoint import load_state
 from fedmq.common.jobspec import load_job
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
 from tests.conftest import REPO, assert_bit_identical
 from tests.e2e.cluster import cluster
+
+pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
 
 
 def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(tmp_path: Path) -> None:

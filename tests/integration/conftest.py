@@ -34,7 +34,7 @@ class Transport:
                 for h, b in dead_letters(self.url)]
 
 
-@pytest.fixture(params=["memory", "rabbitmq"])
+@pytest.fixture(params=["memory", pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)])
 def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Transport]:
     state = tmp_path / "state"
     if request.param == "memory":

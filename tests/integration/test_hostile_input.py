@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pika
+import pytest
 import torch
 
 from fedmq.common.bus import topology
@@ -31,6 +32,8 @@ from tests.conftest import EmbeddedRuns, assert_bit_identical, assert_matches_re
 from tests.integration import train_plugins
 from tests.rabbit import fresh_vhost
 from tests.reference import reference_fedavg
+
+pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
 
 
 class DoublingBus(RabbitBus):

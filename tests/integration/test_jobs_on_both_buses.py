@@ -53,6 +53,7 @@ def test_a_failing_client_is_reported_and_the_round_closes_at_quorum(transport: 
     assert [(h["clients"], h["failed"]) for h in result["history"][1:]] == [(4, 1), (4, 1)]
 
 
+@pytest.mark.rabbitmq
 def test_training_longer_than_three_heartbeats_keeps_the_connection(tmp_path) -> None:
     with fresh_vhost() as url:
         settings = Settings(broker_url=url, state_dir=tmp_path, heartbeat_s=1)

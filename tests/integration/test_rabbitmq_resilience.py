@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pika
+import pytest
 
 from fedmq.common.bus.base import Delivery
 from fedmq.common.bus.blob import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE
@@ -23,6 +24,8 @@ from tests.conftest import EmbeddedRuns, assert_bit_identical, assert_matches_re
 from tests.integration.test_bus_contract import WAIT
 from tests.rabbit import dead_letters, fresh_vhost
 from tests.reference import reference_fedavg
+
+pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
 
 
 def test_a_job_survives_the_broker_closing_every_connection(

@@ -587,6 +587,7 @@ round_timeout_s: 120
 
 
 @pytest.mark.rabbitmq
+@pytest.mark.rabbitmq
 @pytest.mark.slow
 def test_services_run_a_job_as_their_own_users(tmp_path: Path) -> None:
     """definitions.json on a live broker: each service as its own user runs a job end to end.
