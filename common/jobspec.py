@@ -10,14 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fedmq.common.errors import ConfigError
 
-ENTRYPOINT = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
-
-
-def _source_first(data: Any) -> Any:
-    """With an entrypoint and no name, the built-in default name does not apply."""
-    if isinstance(data, dict) and data.get("entrypoint") and "name" not in data:
-        return {**data, "name": None}
-    return data
+REF = r"^([A-Za-z_][\w]*|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$"  # a built-in name or package.module:Name
 
 
 class Spec(BaseModel):
@@ -27,60 +20,16 @@ class Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class ModelSpec(Spec):
-    """Which network to train: a built-in by name or a user's `pkg.mod:build` function."""
+class TaskSpec(Spec):
+    """The workload: a built-in Task by name (`digits`) or `package.module:Name`, and its options."""
 
-    name: Literal["mlp", "cnn"] | None = "mlp"
-    hidden: list[Annotated[int, Field(gt=0)]] = [128]
-    channels: list[Annotated[int, Field(gt=0)]] = [16, 32]
-    entrypoint: Annotated[str, Field(pattern=ENTRYPOINT)] | None = None
+    name: Annotated[str, Field(pattern=REF, max_length=200)] = "digits"
     options: dict[str, Any] = {}
 
-    _no_name_with_entrypoint = model_validator(mode="before")(lambda data: _source_first(data))
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelSpec:
-        if self.entrypoint is not None and self.name is not None:
-            raise ValueError("give either 'name' or 'entrypoint', not both")
-        return self
-
-
-class IidPartition(Spec):
-    kind: Literal["iid"] = "iid"
-
-
-class DirichletPartition(Spec):
-    kind: Literal["dirichlet"] = "dirichlet"
-    alpha: float = Field(0.5, gt=0)
-    min_size: int = Field(1, ge=0, description="resample until every client has this many samples")
-
-
-class ShardsPartition(Spec):
-    kind: Literal["shards"] = "shards"
-    shards_per_client: int = Field(2, gt=0)
-
-
-Partition = Annotated[
-    IidPartition | DirichletPartition | ShardsPartition, Field(discriminator="kind")
-]
-
-
-class DataSpec(Spec):
-    """Which data and how it is split over clients."""
-
-    name: Literal["digits"] | None = "digits"
-    entrypoint: Annotated[str, Field(pattern=ENTRYPOINT)] | None = None
-    options: dict[str, Any] = {}
-    test_fraction: float = Field(0.2, gt=0, lt=1)
-    partition: Partition = DirichletPartition()
-
-    _no_name_with_entrypoint = model_validator(mode="before")(lambda data: _source_first(data))
-
-    @model_validator(mode="after")
-    def _one_source(self) -> DataSpec:
-        if self.entrypoint is not None and self.name is not None:
-            raise ValueError("give either 'name' or 'entrypoint', not both")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
 
 
 class ClientsSpec(Spec):
@@ -110,7 +59,7 @@ class ClientsSpec(Spec):
 
 
 class TrainSpec(Spec):
-    """Local training on each client."""
+    """Local training on each client: fedmq's loop for a loss-level Task, or hints for a Task's own."""
 
     epochs: int = Field(1, gt=0)
     batch_size: int = Field(32, gt=0)
@@ -119,9 +68,33 @@ class TrainSpec(Spec):
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
-    entrypoint: Annotated[str, Field(pattern=ENTRYPOINT)] | None = Field(
-        None, description="a user's own local training function"
-    )
+    options: dict[str, Any] = Field({}, description="free-form settings for a Task's own train()")
+
+
+class FederatedEvalSpec(Spec):
+    """Clients evaluate the global model on their own validation data."""
+
+    clients: int = Field(gt=0, description="clients sampled to evaluate, per evaluation")
+    min: int | None = Field(None, gt=0, description="reports needed; defaults to clients")
+
+    @property
+    def quorum(self) -> int:
+        return self.min if self.min is not None else self.clients
+
+
+class EvaluateSpec(Spec):
+    """When and where global models are evaluated."""
+
+    every: int = Field(1, gt=0, description="rounds between evaluations; the last round always is")
+    server: bool = Field(True, description="the aggregator evaluates on the Task's server data, if any")
+    federated: FederatedEvalSpec | None = None
+
+
+class ObjectiveSpec(Spec):
+    """The metric that picks the best round and the best model: `source.name`, minimised or maximised."""
+
+    metric: Annotated[str, Field(pattern=r"^(train|federated|server|strategy)\.[A-Za-z_][\w.]*$")]
+    mode: Literal["min", "max"] = "max"
 
 
 class FedAvgStrategy(Spec):
@@ -148,14 +121,64 @@ class JobSpec(Spec):
 
     name: Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][\w.-]*$")]
     seed: int = Field(0, ge=0, lt=2**63)
-    model: ModelSpec = ModelSpec()
-    data: DataSpec = DataSpec()
+    task: TaskSpec = TaskSpec()
     clients: ClientsSpec
     rounds: int = Field(gt=0, le=100_000)
     train: TrainSpec = TrainSpec()
+    evaluate: EvaluateSpec = EvaluateSpec()
+    objective: ObjectiveSpec | None = None
     strategy: Strategy = FedAvgStrategy()
     round_timeout_s: float = Field(600.0, gt=0)
     max_round_retries: int = Field(2, ge=0)
+
+    _legacy = model_validator(mode="before")(lambda data: legacy_workload(data))
+
+    def evaluates(self, server_round: int) -> bool:
+        """Whether the global model of this round is evaluated (round 0 is the initial model)."""
+        return server_round % self.evaluate.every == 0 or server_round == self.rounds
+
+
+def legacy_workload(data: Any) -> Any:
+    """Specs written before Tasks: `model`/`data` sections name the built-in digits Task's options.
+
+    The plug-in entrypoints of those sections and `train.entrypoint` are gone: their error
+    shows the Task that replaces them.
+    """
+    if not isinstance(data, dict):
+        return data
+    train = data.get("train")
+    if isinstance(train, dict) and "entrypoint" in train:
+        raise ValueError(
+            "train.entrypoint is replaced by a Task: give your Task a train(model, data, ctx) method "
+            "returning fedmq.TrainResult, or just a loss(model, batch) and let fedmq run the loop; "
+            "name it with `task: {name: \"my_pkg.tasks:MyTask\"}` (see examples/plugins/my_task.py)"
+        )
+    if not ({"model", "data"} & data.keys()):
+        return data
+    if "task" in data:
+        raise ValueError("'model' and 'data' are options of the digits task: move them under task.options")
+    data = dict(data)
+    model, dataset = data.pop("model", {}) or {}, data.pop("data", {}) or {}
+    if not isinstance(model, dict) or not isinstance(dataset, dict):
+        raise ValueError("'model' and 'data' must be mappings")
+    if "entrypoint" in model or "entrypoint" in dataset:
+        raise ValueError(
+            "model.entrypoint and data.entrypoint are replaced by one Task class: write "
+            "`task: {name: \"my_pkg.tasks:MyTask\", options: {...}}` whose build_model() and load_data() "
+            "do what your builder and loader did (see examples/plugins/my_task.py)"
+        )
+    if dataset.get("name", "digits") != "digits":
+        raise ValueError(f"data.name {dataset.get('name')!r}: the only built-in dataset is digits")
+    options = {k: v for k, v in {
+        "model": {k: v for k, v in model.items() if k != "options"} or None,
+        "test_fraction": dataset.get("test_fraction"),
+        "partition": dataset.get("partition"),
+    }.items() if v is not None}
+    extra = set(dataset) - {"name", "test_fraction", "partition", "options"}
+    if extra:
+        raise ValueError(f"data: unknown key(s) {sorted(extra)}; allowed: name, test_fraction, partition")
+    data["task"] = {"name": "digits", "options": options}
+    return data
 
 
 def parse_job(raw: Any, source: str = "job spec") -> JobSpec:
@@ -216,9 +239,6 @@ def format_errors(exc: ValidationError) -> str:
 
 def _union_members() -> dict[tuple[type[BaseModel], str], dict[str, type[BaseModel]]]:
     return {
-        (DataSpec, "partition"): {
-            "iid": IidPartition, "dirichlet": DirichletPartition, "shards": ShardsPartition
-        },
         (JobSpec, "strategy"): {
             "fedavg": FedAvgStrategy, "average": AverageStrategy, "fedavgm": FedAvgMStrategy
         },

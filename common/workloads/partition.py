@@ -6,13 +6,42 @@ Every kind assigns every sample to exactly one client and is a pure function of
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from fedmq.common.errors import ConfigError
-from fedmq.common.jobspec import DirichletPartition, IidPartition, ShardsPartition
 from fedmq.common.seeding import numpy_rng
 
+
+class _Kind(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class IidPartition(_Kind):
+    """Every client gets an equal share of a random permutation."""
+
+    kind: Literal["iid"] = "iid"
+
+
+class DirichletPartition(_Kind):
+    """Label skew (Hsu et al. 2019): per class, Dir(alpha) shares over clients."""
+
+    kind: Literal["dirichlet"] = "dirichlet"
+    alpha: float = Field(0.5, gt=0)
+    min_size: int = Field(1, ge=0, description="resample until every client has this many samples")
+
+
+class ShardsPartition(_Kind):
+    """McMahan et al. 2017: label-sorted shards, a few per client."""
+
+    kind: Literal["shards"] = "shards"
+    shards_per_client: int = Field(2, gt=0)
+
+
 PartitionSpec = IidPartition | DirichletPartition | ShardsPartition
+Partition = Annotated[PartitionSpec, Field(discriminator="kind")]
 
 # Resampling Dirichlet draws until every client is big enough must end somewhere.
 MAX_DIRICHLET_TRIES = 1000

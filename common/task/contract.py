@@ -1,0 +1,199 @@
+"""The Task contract: what a user writes to bring any PyTorch workload to fedmq.
+
+A Task is one class. fedmq builds it from the job spec (``task: "pkg.module:Name"`` and its
+``options``) in every process that needs it, and calls its methods there:
+
+    aggregator   build_model, load_server_data, evaluate      (never load_data)
+    learner      build_model, load_data (only the clients it serves), train or loss, evaluate
+
+    class Regression(fedmq.Task):
+        def build_model(self) -> nn.Module: ...                     # no data needed
+        def load_data(self, ctx: fedmq.DataContext) -> fedmq.ClientData: ...
+        def loss(self, model, batch) -> Tensor: ...                 # fedmq runs the loop, or
+        def train(self, model, data, ctx) -> fedmq.TrainResult: ... # any code of yours
+        def evaluate(self, model, data, ctx) -> dict[str, float]: ...
+
+Two levels of control. A Task that defines `loss` lets fedmq run local training (the spec's
+`train` section: epochs, batch size, optimizer); that is what lets fedmq train a round's
+clients together, clip per sample and compress without a change to the Task. A Task that
+defines `train` runs any code it likes on the model it is handed. Defining `evaluate` is
+optional for a loss-level Task: by default it is the mean of `loss` and the metrics `loss`
+returns, over the data in order.
+
+Rules that keep runs reproducible and safe:
+- Every method may be called in any process, any number of times, in any order of clients:
+  derive randomness from the context (`ctx.seed`, `ctx.generator`, `ctx.rng(...)`), never from
+  global state. fedmq seeds torch's global RNG around each call (model init, dropout).
+- `build_model` must give the same architecture every time; fedmq seeds its initial weights.
+- `train` trains the model it is given in place and must not replace its parameters.
+- Metrics are plain floats with names matching ``[A-Za-z_][A-Za-z0-9_.]*``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from pydantic import BaseModel
+    from torch import nn
+
+Reduction = Literal["mean", "sum", "min", "max", "geometric"]
+Mode = Literal["min", "max"]
+
+
+@dataclass(frozen=True)
+class DataContext:
+    """Whose data to load: a learner asks for one client at a time (the aggregator never does)."""
+
+    client: int  # the logical client, 0 .. num_clients - 1
+    num_clients: int
+    seed: int  # the job's seed
+    data_dir: Path | None = None  # this machine's FEDMQ_DATA_DIR: files that exist only here
+    site: str | None = None  # the site's name when the job's clients are named sites
+
+    def rng(self, *keys: str | int) -> np.random.Generator:
+        """A NumPy generator derived from (seed, "data", *keys): the same in every process."""
+        from fedmq.common.seeding import numpy_rng
+
+        return numpy_rng(self.seed, "data", *keys)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The spec's `train` section, as a Task sees it."""
+
+    epochs: int = 1
+    batch_size: int = 32
+    max_steps: int | None = None
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    options: Mapping[str, Any] = field(default_factory=dict)  # free-form, for a Task's own `train`
+
+
+@dataclass(frozen=True)
+class TrainContext:
+    """One client's training in one round."""
+
+    client: int
+    round: int
+    seed: int
+    train: TrainSettings
+    device: torch.device
+    generator: torch.Generator  # CPU, seeded for (seed, round, client): shuffle and sample with it
+    global_weights: Mapping[str, torch.Tensor]  # the round's global model (read-only), e.g. for FedProx
+    config: Mapping[str, Any] = field(default_factory=dict)  # what the strategy sends this round
+
+
+@dataclass(frozen=True)
+class EvalContext:
+    """An evaluation of a global model: on the server (client None) or on one client's data."""
+
+    round: int
+    seed: int
+    device: torch.device
+    batch_size: int = 256
+    client: int | None = None
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """What `load_data` returns: a client's training data and, optionally, its validation data.
+
+    Each may be a tuple of tensors with a common first dimension (`(x, y)`), a dict of such
+    tensors, a map-style `torch.utils.data.Dataset`, or any iterable of batches (a
+    `DataLoader`, used as it is: fedmq then cannot shuffle it, fuse it or count it in advance).
+    """
+
+    train: Any
+    val: Any = None
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a Task's own `train` returns: how many examples it trained on, and metrics."""
+
+    num_examples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """What `evaluate` returns when the example count is not `len(data)`."""
+
+    num_examples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """Which metric picks the best round: `source.name` (e.g. "server.accuracy") and its direction."""
+
+    metric: str
+    mode: Mode = "max"
+
+
+class Task:
+    """Base class of every workload; see the module docstring for the contract.
+
+    fedmq creates a Task as ``TaskClass(**options)``. Declare ``Options`` (a pydantic model) to
+    have the options validated and handed over as ``self.options``; otherwise write your own
+    ``__init__`` taking the options as keyword arguments.
+    """
+
+    Options: ClassVar[type[BaseModel] | None] = None
+    # How each metric combines over clients; unnamed metrics are example-weighted means.
+    metric_reduction: ClassVar[Mapping[str, Reduction]] = {}
+    # The default objective, when the spec names none.
+    objective: ClassVar[Objective | None] = None
+
+    options: Any
+
+    def __init__(self, **options: Any) -> None:
+        if self.Options is not None:
+            self.options = self.Options(**options)
+        elif options:
+            names = ", ".join(sorted(options))
+            raise TypeError(f"{type(self).__name__} takes no options (got {names}); declare `Options`")
+
+    def build_model(self) -> nn.Module:
+        """An untrained model. fedmq seeds torch around this call: do not seed it yourself."""
+        raise NotImplementedError(f"{type(self).__name__} must define build_model()")
+
+    def load_data(self, ctx: DataContext) -> ClientData | Any:
+        """One client's data, as `ClientData(train, val)` or just the training data."""
+        raise NotImplementedError(f"{type(self).__name__} must define load_data(ctx)")
+
+    def load_server_data(self, ctx: DataContext) -> Any | None:
+        """Data the aggregator evaluates every global model on; None (the default): no server evaluation.
+
+        `ctx.client` is -1 here: it is no client's data.
+        """
+        return None
+
+    # Level 1 (`train`) and level 2 (`loss`): define one. Neither is defined here, so that
+    # fedmq can tell which a Task chose (`has_train` / `has_loss`).
+
+    def evaluate(self, model: nn.Module, data: Any, ctx: EvalContext) -> Mapping[str, float] | EvalResult:
+        """Metrics of `model` on `data`. A loss-level Task inherits the mean loss and its metrics."""
+        from fedmq.common.task.loop import evaluate_with_loss
+
+        if not has_loss(self):
+            raise NotImplementedError(f"{type(self).__name__} must define evaluate() (it has no loss())")
+        return evaluate_with_loss(self, model, data, ctx)
+
+
+def has_loss(task: Task) -> bool:
+    """Whether the Task gives a per-batch loss (level 2): fedmq runs its training loop."""
+    return callable(getattr(task, "loss", None))
+
+
+def has_train(task: Task) -> bool:
+    """Whether the Task trains with its own code (level 1)."""
+    return callable(getattr(task, "train", None))

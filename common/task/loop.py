@@ -1,0 +1,140 @@
+"""fedmq's local training loop for a loss-level Task, and the default evaluation from its loss.
+
+    for each epoch:                       (or until train.max_steps)
+        order = randperm(n, ctx.generator)            the client's own stream
+        for batch in order's batches:
+            loss[, metrics] = task.loss(model, batch)
+            (+ mu/2 * ||w - w_global||^2 when the strategy asks for a proximal term)
+            backward, optimizer step
+
+Metrics are accumulated on the device and read once at the end (no host sync per step):
+the last epoch's example-weighted means of the loss and of every metric `loss` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fedmq.common.task.batches import Source, batch_size_of, source, to_device
+from fedmq.common.task.contract import EvalContext, EvalResult, TrainContext, TrainResult, TrainSettings
+
+if TYPE_CHECKING:
+    from fedmq.common.task.contract import Task
+
+PROXIMAL_MU = "proximal_mu"  # a strategy's round config key: FedProx's mu
+
+
+class LossError(TypeError):
+    """`loss` returned something other than a scalar tensor, optionally with a dict of metrics."""
+
+
+def make_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:
+    """The optimizer the spec names, over the model's parameters."""
+    if settings.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    return torch.optim.SGD(
+        model.parameters(), lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay
+    )
+
+
+def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) -> TrainResult:
+    """Train `model` in place on one client's data with the Task's loss; see the module docstring."""
+    settings = ctx.train
+    src = on_device(source(data, "training data"), ctx.device)
+    model.train()
+    optimizer = make_optimizer(model, settings)
+    mu = float(ctx.config.get(PROXIMAL_MU, 0.0))
+    anchors = _anchors(model, ctx.global_weights, ctx.device) if mu > 0 else []
+    steps, sums, seen = 0, _Sums(ctx.device), 0
+    for _ in range(settings.epochs):
+        sums, seen = _Sums(ctx.device), 0
+        for batch in src.batches(settings.batch_size, ctx.generator):
+            batch = to_device(batch, ctx.device)
+            size = batch_size_of(batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss, metrics = split_loss(task.loss(model, batch))  # type: ignore[attr-defined]
+            total = loss + mu / 2 * sum((p - a).pow(2).sum() for p, a in anchors) if anchors else loss
+            total.backward()
+            optimizer.step()
+            sums.add(loss, metrics, size)
+            seen += size
+            steps += 1
+            if settings.max_steps is not None and steps >= settings.max_steps:
+                return TrainResult(seen, sums.means(seen))
+    return TrainResult(seen, sums.means(seen))
+
+
+@torch.no_grad()
+def evaluate_with_loss(task: Task, model: nn.Module, data: Any, ctx: EvalContext) -> EvalResult:
+    """The mean loss and the mean of each metric `loss` returns, over `data` in order."""
+    src = on_device(source(data, "evaluation data"), ctx.device)
+    model.eval()
+    sums, seen = _Sums(ctx.device), 0
+    for batch in src.batches(ctx.batch_size, None):
+        batch = to_device(batch, ctx.device)
+        size = batch_size_of(batch)
+        loss, metrics = split_loss(task.loss(model, batch))  # type: ignore[attr-defined]
+        sums.add(loss, metrics, size)
+        seen += size
+    return EvalResult(seen, sums.means(seen))
+
+
+def on_device(src: Source, device: torch.device) -> Source:
+    """Tensor data moves to the device once per call; datasets and iterables move batch by batch."""
+    data = src.data
+    if isinstance(data, torch.Tensor | tuple | list | Mapping) and src.indexable and device.type != "cpu":
+        return Source(to_device(data, device), src.size, src.indexable)
+    return src
+
+
+def split_loss(out: Any) -> tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]:
+    """`loss` → (scalar tensor, metrics); LossError for anything else."""
+    metrics: Any = {}
+    if isinstance(out, tuple) and len(out) == 2:
+        out, metrics = out
+    if not isinstance(out, torch.Tensor) or out.numel() != 1:
+        raise LossError(
+            f"loss() must return a scalar tensor, or (scalar tensor, dict of metrics); got {_describe(out)}"
+        )
+    if not isinstance(metrics, Mapping):
+        raise LossError(f"loss() metrics must be a dict of name -> tensor or float, got {_describe(metrics)}")
+    return out.reshape(()), metrics
+
+
+class _Sums:
+    """Example-weighted sums of the loss and metrics, kept on the device until `means`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.values: dict[str, torch.Tensor] = {}
+
+    def add(self, loss: torch.Tensor, metrics: Mapping[str, torch.Tensor | float], size: int) -> None:
+        for name, value in {"loss": loss, **metrics}.items():
+            value = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            term = value.to(self.device, torch.float64).reshape(()) * size
+            self.values[name] = self.values[name] + term if name in self.values else term
+
+    def means(self, seen: int) -> dict[str, float]:
+        if not self.values or seen == 0:
+            return {}
+        names = list(self.values)
+        stacked = torch.stack([self.values[n] for n in names]).cpu()  # the one host sync
+        return {name: float(v) / seen for name, v in zip(names, stacked.tolist(), strict=True)}
+
+
+def _anchors(
+    model: nn.Module, global_weights: Mapping[str, torch.Tensor], device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, its global value) pairs for the proximal term."""
+    params = dict(model.named_parameters())
+    return [(p, global_weights[name].to(device)) for name, p in params.items() if name in global_weights]
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"

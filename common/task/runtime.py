@@ -1,0 +1,188 @@
+"""One job's Task at work in a service: every call into user code goes through here.
+
+Each call is seeded (torch's global RNG, under one process-wide lock so that learner threads
+sharing a process cannot interleave their draws), checked (what it returns must be what the
+contract says) and named when it fails: a UserCodeError carries the Task method, the client
+and the round, so a job fails with a reason a user can act on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fedmq.common.errors import FedmqError
+from fedmq.common.seeding import derive_seed
+from fedmq.common.task.contract import (
+    ClientData,
+    DataContext,
+    EvalContext,
+    EvalResult,
+    Task,
+    TrainContext,
+    TrainResult,
+    has_loss,
+    has_train,
+)
+from fedmq.common.task.loop import train_with_loss
+from fedmq.common.task.metrics import check_metrics, check_rules
+
+if TYPE_CHECKING:
+    from fedmq.common.jobspec import JobSpec
+
+# torch's global RNG is one per process: seeded sections of user code take turns.
+_RNG_LOCK = threading.RLock()
+
+
+class UserCodeError(FedmqError):
+    """A Task method raised or returned something it must not; the job fails with this reason."""
+
+    def __init__(
+        self,
+        method: str,
+        message: str,
+        *,
+        client: int | None = None,
+        round: int | None = None,
+        error_type: str = "",
+    ) -> None:
+        where = [f"Task.{method}"]
+        if client is not None and client >= 0:
+            where.append(f"client {client}")
+        if round is not None:
+            where.append(f"round {round}")
+        super().__init__(f"{', '.join(where)}: {error_type + ': ' if error_type else ''}{message}")
+        self.method, self.client, self.round = method, client, round
+        self.error_type, self.detail = error_type, message
+
+
+@contextlib.contextmanager
+def user_call(method: str, *, client: int | None = None, round: int | None = None) -> Iterator[None]:
+    """Run user code; any exception it raises becomes a UserCodeError naming where it came from."""
+    try:
+        yield
+    except UserCodeError:
+        raise
+    except Exception as exc:
+        raise UserCodeError(
+            method, str(exc)[:2000], client=client, round=round, error_type=type(exc).__name__
+        ) from exc
+
+
+@dataclass
+class TaskRuntime:
+    """A job's spec and its Task instance, as the aggregator and learners use them."""
+
+    spec: JobSpec
+    task: Task
+
+    @classmethod
+    def for_job(cls, spec: JobSpec) -> TaskRuntime:
+        from fedmq.common.task.loading import make_task
+
+        runtime = cls(spec, make_task(spec.task.name, spec.task.options))
+        with user_call("metric_reduction"):
+            check_rules(runtime.task.metric_reduction)
+        return runtime
+
+    @property
+    def reductions(self) -> dict[str, str]:
+        return dict(self.task.metric_reduction)
+
+    def build_model(self) -> nn.Module:
+        """The Task's model with fedmq's seeded initial weights (the same in every process)."""
+        with _RNG_LOCK, torch.random.fork_rng(devices=[]), user_call("build_model"):
+            torch.manual_seed(derive_seed(self.spec.seed, "init"))
+            model = self.task.build_model()
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"returned a {type(model).__name__}, expected a torch.nn.Module")
+        return model
+
+    def data_context(self, client: int, data_dir: Path | None) -> DataContext:
+        return DataContext(
+            client=client, num_clients=self.spec.clients.total, seed=self.spec.seed, data_dir=data_dir
+        )
+
+    def load_data(self, client: int, data_dir: Path | None) -> ClientData:
+        """One client's data, as ClientData (a bare return value is its training data)."""
+        with _RNG_LOCK, torch.random.fork_rng(devices=[]), user_call("load_data", client=client):
+            torch.manual_seed(derive_seed(self.spec.seed, "data", client))
+            data = self.task.load_data(self.data_context(client, data_dir))
+        return data if isinstance(data, ClientData) else ClientData(train=data)
+
+    def load_server_data(self, data_dir: Path | None) -> Any | None:
+        with user_call("load_server_data"):
+            return self.task.load_server_data(self.data_context(-1, data_dir))
+
+    def train(self, model: nn.Module, data: ClientData, ctx: TrainContext) -> TrainResult:
+        """Train `model` in place on one client, with the Task's own `train` or fedmq's loop."""
+        before = _shapes(model)
+        method = "train" if has_train(self.task) else "loss"
+        with (
+            _RNG_LOCK,
+            torch.random.fork_rng(devices=_cuda(ctx.device)),
+            user_call(method, client=ctx.client, round=ctx.round),
+        ):
+            torch.manual_seed(derive_seed(self.spec.seed, "torch", ctx.round, ctx.client))
+            if method == "train":
+                result = self.task.train(model, data.train, ctx)  # type: ignore[attr-defined]
+            elif has_loss(self.task):
+                result = train_with_loss(self.task, model, data.train, ctx)
+            else:
+                raise TypeError("the Task defines neither train() nor loss(); define one")
+            if not isinstance(result, TrainResult):
+                raise TypeError(f"returned a {type(result).__name__}, expected fedmq.TrainResult")
+            metrics = check_metrics(result.metrics, "training metrics")
+            if not isinstance(result.num_examples, int) or result.num_examples < 0:
+                raise TypeError(f"num_examples must be a non-negative int, got {result.num_examples!r}")
+            if _shapes(model) != before:
+                raise TypeError("the model's tensors changed names, shapes or dtypes during training")
+        return TrainResult(result.num_examples, metrics)
+
+    def evaluate(self, model: nn.Module, data: Any, ctx: EvalContext) -> EvalResult:
+        """Metrics of `model` on `data`, checked; the example count is len(data) unless given."""
+        with (
+            _RNG_LOCK,
+            torch.random.fork_rng(devices=_cuda(ctx.device)),
+            user_call("evaluate", client=ctx.client, round=ctx.round),
+        ):
+            torch.manual_seed(
+                derive_seed(self.spec.seed, "eval", ctx.round, -1 if ctx.client is None else ctx.client)
+            )
+            out = self.task.evaluate(model, data, ctx)
+            if isinstance(out, EvalResult):
+                count, raw = out.num_examples, out.metrics
+            elif isinstance(out, Mapping):
+                count, raw = _length(data), out
+            else:
+                raise TypeError(
+                    f"returned a {type(out).__name__}, expected a dict of metrics or fedmq.EvalResult"
+                )
+            metrics = check_metrics(raw, "evaluation metrics")
+        return EvalResult(count, metrics)
+
+
+def _shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def _cuda(device: torch.device) -> list[int]:
+    """The CUDA devices whose RNG a seeded section forks: the one it runs on, if any."""
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def _length(data: Any) -> int:
+    from fedmq.common.task.batches import source
+
+    try:
+        size = source(data, "evaluation data").size
+    except TypeError:
+        size = None
+    return size if size is not None else 1

@@ -1,0 +1,1 @@
+"""Built-in Tasks, each written against the public `fedmq` contract only."""
