@@ -2,8 +2,8 @@
 
 Load a trained model anywhere torch and fedmq are installed:
 
-    from fedmq.common.checkpoint import load_model
-    model = load_model(".fedmq/jobs/<job>/model.safetensors")   # an nn.Module, eval mode
+    import fedmq
+    model = fedmq.load_model(".fedmq/aggregator/<job>/model.safetensors")   # an nn.Module, eval mode
 
 or just the tensors, without fedmq: `safetensors.torch.load_file(path)`.
 """
@@ -58,16 +58,14 @@ def save_model(path: str | Path, state: Mapping[str, torch.Tensor], spec_json: s
 
 
 def load_model(path: str | Path) -> torch.nn.Module:
-    """Rebuild the job's network from the spec stored in the file and load its weights."""
+    """Rebuild the job's model with its Task (named in the spec stored in the file) and load the weights."""
     from fedmq.common.jobspec import JobSpec
-    from fedmq.common.workloads.datasets import load_dataset
-    from fedmq.common.workloads.models import build_model
+    from fedmq.common.task.runtime import TaskRuntime
 
     state, metadata = load_state(path)
     if SPEC_KEY not in metadata:
         raise DecodeError(f"{path} has no fedmq job spec in its metadata")
     spec = JobSpec.model_validate_json(metadata[SPEC_KEY])
-    data = load_dataset(spec.data, spec.seed)
-    model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
+    model = TaskRuntime.for_job(spec).build_model()
     model.load_state_dict(state)
     return model.eval()

@@ -17,7 +17,7 @@ from pydantic import ValidationError as PydanticValidationError
 from fedmq.common import codec
 from fedmq.common.errors import DecodeError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: metrics of any name (RoundClosed.metrics), federated evaluation
 M = TypeVar("M", bound="Message")
 
 
@@ -30,7 +30,7 @@ class Message(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
-    v: Literal[1] = 1  # SCHEMA_VERSION
+    v: Literal[2] = 2  # SCHEMA_VERSION
     msg_id: str = Field(default_factory=new_id, max_length=64)
     job_id: str = Field(max_length=128)
     sent_at: float = Field(default_factory=time.time)
@@ -80,6 +80,18 @@ class TrainTask(Message):
     client: NonNegativeInt
     model_digest: str = Field(max_length=128)
     spec: dict[str, Any]
+    config: dict[str, Any] = {}  # what the strategy sends this client this round
+
+
+class EvalTask(Message):
+    """Scheduler → learners: evaluate the round's global model on one client's validation data."""
+
+    type: Literal["eval_task"] = "eval_task"
+    task_id: str = Field(max_length=64)
+    round: NonNegativeInt
+    client: NonNegativeInt
+    model_digest: str = Field(max_length=128)
+    spec: dict[str, Any]
 
 
 class ClientUpdate(Message):
@@ -93,8 +105,22 @@ class ClientUpdate(Message):
     num_examples: int
     metrics: dict[str, float] = {}
     train_seconds: float = 0.0
+    fetch_seconds: float = 0.0  # time spent getting the round's global model
     learner: str = ""
     weights: dict[str, Any]
+
+
+class EvalReport(Message):
+    """Learner → scheduler: a client's evaluation of a global model (no tensors)."""
+
+    type: Literal["eval_report"] = "eval_report"
+    task_id: str = Field(max_length=64)
+    round: NonNegativeInt
+    client: NonNegativeInt
+    num_examples: NonNegativeInt
+    metrics: dict[str, float] = {}
+    reduction: dict[str, Literal["mean", "sum", "min", "max", "geometric"]] = {}
+    learner: str = ""
 
 
 class ClientFailure(Message):
@@ -117,20 +143,25 @@ class UpdateAccepted(Message):
     client: NonNegativeInt
     num_examples: int
     metrics: dict[str, float] = {}
+    train_seconds: float = 0.0
+    fetch_seconds: float = 0.0
+    bytes: NonNegativeInt = 0  # the update's size on the wire
 
 
 class RoundClosed(Message):
-    """Aggregator → scheduler: the round's new global model and its test metrics."""
+    """Aggregator → scheduler: the round's new global model and its metrics by source.
+
+    `metrics` is {source: {name: value}} for the sources the aggregator knows: "train" (the
+    clients' training metrics, combined), "server" (the new model on the Task's server data),
+    "strategy" (what the strategy reports).
+    """
 
     type: Literal["round_closed"] = "round_closed"
     round: NonNegativeInt
     model_digest: str
     clients: list[NonNegativeInt] = []
     num_examples: int = 0
-    test_loss: float
-    test_accuracy: float
-    train_loss: float | None = None
-    train_accuracy: float | None = None
+    metrics: dict[str, dict[str, float]] = {}
     aggregate_seconds: float = 0.0
     model_path: str | None = None
 
@@ -207,7 +238,9 @@ AnyMessage = Annotated[
     | RoundOpen
     | RoundClose
     | TrainTask
+    | EvalTask
     | ClientUpdate
+    | EvalReport
     | ClientFailure
     | UpdateAccepted
     | RoundClosed

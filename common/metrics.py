@@ -8,6 +8,7 @@ the scraped service).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -48,11 +49,10 @@ class Metrics:
             "fedmq_round_duration_seconds", "Round wall time from opening to the new global model",
             buckets=DURATION_BUCKETS, registry=r,
         )
-        self.global_accuracy = Gauge(
-            "fedmq_global_accuracy_ratio", "Test accuracy of the latest global model", ["fl_job"], registry=r
-        )
-        self.global_loss = Gauge(
-            "fedmq_global_loss", "Test cross-entropy of the latest global model", ["fl_job"], registry=r
+        self.round_metric = Gauge(
+            "fedmq_round_metric",
+            "A metric of the latest round, by job, source (train, federated, server, strategy) and name",
+            ["fl_job", "source", "name"], registry=r,
         )
         self.current_round = Gauge("fedmq_job_round", "The round a job is in", ["fl_job"], registry=r)
         self.round_retries = Counter(
@@ -102,6 +102,12 @@ class Metrics:
             self.messages_rejected.labels(reason)
         for code in FAILURE_CODES:
             self.client_failures.labels(code)
+
+    def round_metrics(self, job_id: str, metrics: Mapping[str, Mapping[str, float]]) -> None:
+        """Set the round metrics of a job, {source: {name: value}} (names bounded by the Task checks)."""
+        for source, values in metrics.items():
+            for name, value in values.items():
+                self.round_metric.labels(job_id, source, name).set(value)
 
     def dead_letter(self, reason: str) -> None:
         """Hook for Bus.on_dead_letter: every message this service dead-lettered, by reason."""

@@ -43,6 +43,12 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(120.0, gt=0, description="model fetch and publish timeout")
     retry_initial_s: float = Field(0.5, gt=0, description="first reconnect backoff")
     retry_max_s: float = Field(30.0, gt=0, description="reconnect backoff cap")
+    data_dir: Path | None = Field(
+        None, description="a learner's own data folder, handed to the Task's load_data (files only here)"
+    )
+    data_cache_clients: int = Field(
+        64, ge=1, description="clients whose data a learner keeps loaded at once (least recently used goes)"
+    )
     torch_threads: int = Field(
         0, ge=0, description="torch threads; 0: one per service process, a share of the cores in `fedmq run`"
     )

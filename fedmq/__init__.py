@@ -27,6 +27,14 @@ from fedmq.common.task.contract import (
 
 __version__ = "0.2.0"
 
+
+def load_model(path: str) -> object:
+    """A saved model file as an `nn.Module` in eval mode, rebuilt by its job's Task (safetensors)."""
+    from fedmq.common.checkpoint import load_model as load
+
+    return load(path)
+
+
 __all__ = [
     "ClientData",
     "DataContext",
@@ -38,4 +46,5 @@ __all__ = [
     "TrainResult",
     "TrainSettings",
     "__version__",
+    "load_model",
 ]

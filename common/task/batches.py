@@ -70,7 +70,7 @@ def source(data: Any, what: str = "data") -> Source:
         from torch.utils.data import Dataset
 
         if isinstance(data, Dataset):
-            return Source(data, len(data), True)
+            return Source(data, len(data), True)  # type: ignore[arg-type]  # checked: has __len__
     if hasattr(data, "__iter__") and not isinstance(data, str | bytes | Mapping):
         size = len(data.dataset) if hasattr(data, "dataset") and hasattr(data.dataset, "__len__") else None
         return Source(data, size, False)

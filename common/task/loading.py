@@ -6,10 +6,13 @@ import importlib
 import inspect
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedmq.common.errors import ConfigError
 from fedmq.common.task.contract import Task
+
+if TYPE_CHECKING:
+    from fedmq.common.jobspec import JobSpec
 
 # Built-in Tasks by name: each is written against the public contract only.
 BUILTIN: Mapping[str, str] = {
@@ -35,6 +38,19 @@ def make_task(ref: str, options: Mapping[str, Any]) -> Task:
     except Exception as exc:
         detail = _option_errors(exc, options) or f"{type(exc).__name__}: {exc}"
         raise ConfigError(f"task {ref!r}: its options are invalid:\n{detail}") from None
+
+
+def complete_spec(spec: JobSpec) -> JobSpec:
+    """Check the spec's Task can be had with its options, and fill in the Task's default objective.
+
+    What the CLI and the Python API do before a job is published: a bad option fails here,
+    in the user's terminal, not minutes later in a service.
+    """
+    task = make_task(spec.task.name, spec.task.options)
+    if spec.objective is None and task.objective is not None:
+        objective = {"metric": task.objective.metric, "mode": task.objective.mode}
+        return type(spec).model_validate({**spec.model_dump(mode="json"), "objective": objective})
+    return spec
 
 
 def import_ref(ref: str, what: str) -> Any:

@@ -1,22 +1,29 @@
-"""Central evaluation of a global model on the held-out test split."""
+"""Server-side evaluation: each global model on the Task's server data, when it has any."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from torch import nn
+
+from fedmq.common.task.contract import EvalContext
+from fedmq.services.aggregator.jobs import AggJob
+
+SERVER_BATCH = 1024
 
 
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
-) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy over (x, y)."""
-    model.eval()
-    total_loss, correct = 0.0, 0
-    for start in range(0, len(x), batch_size):
-        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
-        logits = model(xb)
-        total_loss += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == yb).sum())
-    n = max(len(x), 1)
-    return total_loss / n, correct / n
+def evaluate_on_server(job: AggJob, server_round: int, data_dir: Path | None) -> dict[str, float] | None:
+    """The metrics of the job's current model on the Task's server data; None when not evaluated.
+
+    Evaluated when the spec asks for server evaluation, the round is one of its evaluation
+    rounds (and round 0, the initial model), and the Task has server data.
+    """
+    if not job.spec.evaluate.server or not (server_round == 0 or job.spec.evaluates(server_round)):
+        return None
+    if not job.server_data_loaded:
+        job.server_data = job.runtime.load_server_data(data_dir)
+        job.server_data_loaded = True
+    if job.server_data is None:
+        return None
+    ctx = EvalContext(round=server_round, seed=job.spec.seed, device=torch.device("cpu"), batch_size=SERVER_BATCH)
+    return dict(job.runtime.evaluate(job.model, job.server_data, ctx).metrics)

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from fedmq.common.jobspec import JobSpec, canonical_json
 from fedmq.common.messages import RoundClosed
-from fedmq.common.workloads.datasets import load_dataset
-from fedmq.common.workloads.models import build_model
+from fedmq.common.task.runtime import TaskRuntime
 from fedmq.services.aggregator.store import JobStore
 from fedmq.services.aggregator.strategies import Strategy, build_strategy
 
@@ -24,16 +24,16 @@ class AggJob:
     spec: JobSpec
     store: JobStore
     strategy: Strategy
+    runtime: TaskRuntime
     model: nn.Module
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    train_size: int
     weights: dict[str, torch.Tensor]
     digest: str
     round: int = 0
     open_round: int | None = None
     expected: set[int] = field(default_factory=set)
     last_closed: RoundClosed | None = None  # re-sent when its trigger is redelivered
+    server_data: Any = None  # the Task's server evaluation data, loaded on first use
+    server_data_loaded: bool = False
 
     @property
     def job_id(self) -> str:
@@ -83,17 +83,15 @@ def _restore(spec: JobSpec, store: JobStore) -> AggJob:
 
 
 def _assemble(spec: JobSpec, store: JobStore) -> AggJob:
-    """A job's model, data and strategy as built from its spec (initial weights)."""
-    data = load_dataset(spec.data, spec.seed)
-    model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
+    """A job's Task, model and strategy as built from its spec (initial weights); no training data."""
+    runtime = TaskRuntime.for_job(spec)
+    model = runtime.build_model()
     return AggJob(
         spec=spec,
         store=store,
         strategy=build_strategy(spec),
+        runtime=runtime,
         model=model,
-        x_test=torch.tensor(data.x_test),
-        y_test=torch.tensor(data.y_test),
-        train_size=len(data.y_train),
         weights=views(model),
         digest="",
     )

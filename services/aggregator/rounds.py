@@ -10,6 +10,7 @@ import torch
 from fedmq.common.checkpoint import save_model
 from fedmq.common.jobspec import canonical_json
 from fedmq.common.messages import RoundClosed
+from fedmq.common.task.metrics import reduce_metrics
 from fedmq.services.aggregator.jobs import AggJob, views
 from fedmq.services.aggregator.store import JobStore
 from fedmq.services.aggregator.strategies import ClientResult
@@ -18,7 +19,8 @@ from fedmq.services.aggregator.strategies import ClientResult
 def aggregate_round(job: AggJob, server_round: int, clients: list[int]) -> RoundClosed:
     """Fold the clients' updates into the job's model, checkpoint it, and describe the round.
 
-    The returned RoundClosed has no test metrics yet: the caller evaluates the new model.
+    The returned RoundClosed has the clients' training metrics, combined by the Task's rules;
+    the caller adds the evaluation of the new model.
     """
     results = client_results(job.store, server_round, clients)
     new = job.strategy.aggregate(server_round, job.weights, results)
@@ -33,10 +35,7 @@ def aggregate_round(job: AggJob, server_round: int, clients: list[int]) -> Round
         model_digest=job.digest,
         clients=[r.client for r in results],
         num_examples=sum(r.num_examples for r in results),
-        test_loss=0,
-        test_accuracy=0,
-        train_loss=_weighted(results, "loss"),
-        train_accuracy=_weighted(results, "accuracy"),
+        metrics={"train": reduce_metrics([(r.num_examples, r.metrics) for r in results], job.runtime.reductions)},
     )
     if server_round == job.spec.rounds:
         path = save_model(
@@ -65,9 +64,3 @@ def client_results(store: JobStore, server_round: int, clients: list[int]) -> li
 
 def _itself(value: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     return value
-
-
-def _weighted(results: list[ClientResult], key: str) -> float | None:
-    pairs = [(r.metrics[key], r.num_examples) for r in results if key in r.metrics]
-    total = sum(n for _, n in pairs)
-    return sum(v * n for v, n in pairs) / total if total else None

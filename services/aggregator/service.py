@@ -40,7 +40,7 @@ from fedmq.common.messages import (
 )
 from fedmq.common.metrics import Metrics, reason_label
 from fedmq.common.settings import Settings
-from fedmq.services.aggregator.evaluation import evaluate
+from fedmq.services.aggregator.evaluation import evaluate_on_server
 from fedmq.services.aggregator.jobs import AggJob, create_job, resume_jobs
 from fedmq.services.aggregator.rounds import aggregate_round
 from fedmq.services.aggregator.serving import ModelServer
@@ -128,9 +128,7 @@ class AggregatorService:
             return
         log.info("job_created", params=sum(v.numel() for v in job.weights.values()), digest=job.digest[:12])
         self.jobs[msg.job_id] = job
-        self._report(job, RoundClosed(
-            job_id=msg.job_id, round=0, model_digest=job.digest, test_loss=0, test_accuracy=0
-        ), seconds=0.0)
+        self._report(job, RoundClosed(job_id=msg.job_id, round=0, model_digest=job.digest), seconds=0.0)
 
     def open_round(self, msg: RoundOpen) -> None:
         job = self._job(msg.job_id)
@@ -155,7 +153,7 @@ class AggregatorService:
             return
         if msg.base_digest != job.digest:
             raise ValidationError("stale_model", "trained on another round's weights")
-        check_update(msg, job.weights, max_examples=job.train_size)
+        check_update(msg, job.weights)
         job.store.put_update(msg.round, msg.client, delivery.body_path or delivery.body)
         self._accepted(msg)
         self.metrics.updates_accepted.inc()
@@ -184,16 +182,18 @@ class AggregatorService:
         ))
 
     def _report(self, job: AggJob, closed: RoundClosed, seconds: float) -> None:
-        """Evaluate the new global model and tell the scheduler the round is closed."""
-        loss, accuracy = evaluate(job.model, job.x_test, job.y_test)
-        closed = closed.model_copy(
-            update={"test_loss": loss, "test_accuracy": accuracy, "aggregate_seconds": seconds}
-        )
+        """Evaluate the new global model on the server's data and tell the scheduler the round is closed."""
+        metrics = dict(closed.metrics)
+        server = evaluate_on_server(job, closed.round, self.settings.data_dir)
+        if server is not None:
+            metrics["server"] = server
+        closed = closed.model_copy(update={"metrics": metrics, "aggregate_seconds": seconds})
         job.last_closed = closed
         job.store.save_json("closed", closed.model_dump())  # before it is announced
+        self.metrics.round_metrics(job.job_id, {k: v for k, v in metrics.items() if k != "federated"})
         self._publish(closed)
-        log.info("round_closed", accuracy=round(accuracy, 4), loss=round(loss, 4),
-                 clients=len(closed.clients), seconds=round(seconds, 4))
+        log.info("round_closed", clients=len(closed.clients), seconds=round(seconds, 4),
+                 **{f"{src}_{name}": round(v, 4) for src, m in metrics.items() for name, v in m.items()})
 
     def _resend_closed(self, job: AggJob, server_round: int) -> None:
         if job.last_closed is not None and job.last_closed.round == server_round:

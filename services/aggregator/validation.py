@@ -10,7 +10,12 @@ from fedmq.common.errors import ValidationError
 from fedmq.common.messages import ClientUpdate
 
 
-def check_update(update: ClientUpdate, reference: Mapping[str, torch.Tensor], max_examples: int) -> None:
+MAX_EXAMPLES = 2**53  # an example count must at least be a count a float can weigh exactly
+
+
+def check_update(
+    update: ClientUpdate, reference: Mapping[str, torch.Tensor], max_examples: int = MAX_EXAMPLES
+) -> None:
     """Raise ValidationError(reason) unless the update matches the global model exactly."""
     if not 0 < update.num_examples <= max_examples:
         raise ValidationError(

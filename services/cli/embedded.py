@@ -122,7 +122,7 @@ def run_job(
         "name": spec.name,
         "wall_seconds": time.perf_counter() - started,
         **final,
-        **summarize(history),
+        **summarize(history, None if spec.objective is None else spec.objective.model_dump()),
         "history": history,
     }
 

@@ -57,7 +57,10 @@ def _load(job: Path, rounds: int | None, seed: int | None) -> JobSpec:
     if seed is not None:
         overrides["seed"] = seed
     try:
-        return load_job(job, overrides)
+        spec = load_job(job, overrides)
+        from fedmq.common.task.loading import complete_spec  # imports the Task: after the cheap checks
+
+        return complete_spec(spec)
     except ConfigError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)
         err.print("Fix the job spec and run again; see examples/ for valid specs.")
@@ -208,13 +211,13 @@ def watch(
         history = {h["round"]: h for h in job.get("history", [])}
         # A job that already ended is described by the status reply alone.
         final: dict[str, Any] = {
-            k: job.get(k) for k in ("status", "reason", "model_path") if job.get(k) is not None
+            k: job.get(k) for k in ("status", "reason", "model_path", "best") if job.get(k) is not None
         }
         if final.get("status") == "running":
             final = {}
         if job["status"] == "running":
             with RoundProgress(err) as progress:
-                progress.start_job(job["name"], job["rounds"], history.values())
+                progress.start_job(job["name"], job["rounds"], history.values(), _objective(job))
                 while final.get("status") not in TERMINAL:
                     try:
                         for event in follower.events(idle_timeout=WATCH_POLL_S):
@@ -228,12 +231,13 @@ def watch(
                         # ask the scheduler how things stand, as a watcher arriving late would.
                         job = remote.status("job", job_id).jobs[0]
                         history.update({h["round"]: h for h in job.get("history", [])})
-                        progress.start_job(job["name"], job["rounds"], history.values())
+                        progress.start_job(job["name"], job["rounds"], history.values(), _objective(job))
                         if job["status"] != "running":
-                            final = {k: job.get(k) for k in ("status", "reason", "model_path")
+                            final = {k: job.get(k) for k in ("status", "reason", "model_path", "best")
                                      if job.get(k) is not None}
     rounds = [history[r] for r in sorted(history)]
-    result = {"job_id": job_id, "name": job["name"], **final, **summarize(rounds), "history": rounds}
+    result = {"job_id": job_id, "name": job["name"], **final, **summarize(rounds, job.get("objective")),
+              "history": rounds}
     if json_out:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     from fedmq.services.cli.render import print_summary
@@ -252,7 +256,7 @@ def status(
     """A table of jobs, or one job's rounds."""
     from rich.table import Table
 
-    from fedmq.services.cli.remote import Remote, job_row
+    from fedmq.services.cli.remote import Remote, job_row, rounds_table
 
     settings = _settings()
     configure_logging(settings.log_format, "warning")
@@ -270,7 +274,7 @@ def status(
         lost = fleet["lost"]
         gone = f", [red]{len(lost)} lost[/] ({', '.join(lost[:5])})" if lost else ""
         console.print(f"learners: {fleet['alive']} alive, {fleet['busy']} busy{gone}")
-    table = Table("job", "status", "round", "accuracy", "reason")
+    table = Table("job", "status", "round", "metric", "reason")
     for job in reply.jobs:
         table.add_row(*job_row(job))
     console.print(table)
@@ -282,15 +286,7 @@ def status(
                 f"{job['failed_clients']} failed, deadline in {job['deadline_in_s']} s, "
                 f"{job['retries_left']} retries left"
             )
-        rounds = Table("round", "clients", "failed", "test acc", "test loss", "train loss", "seconds")
-        for h in job.get("history", []):
-            rounds.add_row(
-                str(h["round"]), str(h.get("clients", "-")), str(h.get("failed", "-")),
-                f"{h['test_accuracy']:.4f}", f"{h['test_loss']:.4f}",
-                "-" if h.get("train_loss") is None else f"{h['train_loss']:.4f}",
-                f"{h.get('seconds', 0.0):.2f}",
-            )
-        console.print(rounds)
+        console.print(rounds_table(job.get("history", [])))
 
 
 @app.command()
@@ -330,6 +326,10 @@ def learners(json_out: Annotated[bool, typer.Option("--json", help="print JSON")
             ("rank", "local_rank", "node_rank", "world_size")), f"{row['age_s']:.1f}s ago",
         )
     Console().print(table)
+
+
+def _objective(job: dict[str, Any]) -> str | None:
+    return (job.get("objective") or {}).get("metric")
 
 
 if __name__ == "__main__":

@@ -6,12 +6,15 @@ import threading
 from types import TracebackType
 from typing import Any, Literal
 
+from rich.table import Table
+
 from fedmq.common.bus import topology
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.errors import DecodeError, FedmqError
 from fedmq.common.messages import Message, StatusReply, StatusRequest, expect, from_wire, to_wire
 from fedmq.common.settings import Settings
 from fedmq.services.cli.follow import JobFollower
+from fedmq.services.cli.summary import flat, headline
 
 STATUS_TIMEOUT_S = 10.0
 
@@ -64,8 +67,23 @@ class Remote:
 
 
 def job_row(job: dict[str, Any]) -> list[str]:
-    acc = job.get("test_accuracy")
+    """A row of `fedmq status`: the job's headline metric (its objective's, where it has one)."""
+    shown = headline({"metrics": job.get("metrics", {})}, (job.get("objective") or {}).get("metric"))
     return [
         job["job_id"], job["status"], f"{job['round']}/{job['rounds']}",
-        "-" if acc is None else f"{acc:.4f}", (job.get("reason") or "")[:60],
+        "-" if shown is None else f"{shown[0]} {shown[1]:.4f}", (job.get("reason") or "")[:60],
     ]
+
+
+def rounds_table(history: list[dict[str, Any]]) -> Table:
+    """One job's rounds: a column per metric any round reported (source.name), then timing."""
+    names = sorted({name for record in history for name in flat(record)})
+    table = Table("round", "clients", "failed", *names, "seconds")
+    for record in history:
+        metrics = flat(record)
+        table.add_row(
+            str(record["round"]), str(record.get("clients", "-")), str(record.get("failed", "-")),
+            *("-" if n not in metrics else f"{metrics[n]:.4f}" for n in names),
+            f"{record.get('seconds', 0.0):.2f}",
+        )
+    return table

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedmq.common.messages import JobEvent
+from fedmq.services.cli.summary import headline
 
 
 class RoundProgress:
@@ -19,13 +20,14 @@ class RoundProgress:
             TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("acc [cyan]{task.fields[acc]}[/] loss [magenta]{task.fields[loss]}[/]"),
+            TextColumn("{task.fields[metric]} [cyan]{task.fields[value]}[/]"),
             TimeElapsedColumn(),
             console=console,
             disable=not enabled,
             transient=False,
         )
-        self.task = self.progress.add_task("rounds", total=None, acc="-", loss="-")
+        self.task = self.progress.add_task("rounds", total=None, metric="", value="")
+        self.objective: str | None = None
 
     def __enter__(self) -> RoundProgress:
         self.progress.start()
@@ -34,20 +36,23 @@ class RoundProgress:
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
 
-    def start_job(self, name: str, rounds: int, done: Iterable[dict[str, Any]]) -> None:
+    def start_job(
+        self, name: str, rounds: int, done: Iterable[dict[str, Any]], objective: str | None = None
+    ) -> None:
         """Begin from what a job has already done (watching a job that is under way)."""
+        self.objective = objective
         self.progress.update(self.task, total=rounds, description=name)
         for record in done:
             self._show(record["round"], record)
 
     def _show(self, server_round: int, data: dict[str, Any]) -> None:
-        self.progress.update(
-            self.task, completed=server_round,
-            acc=f"{data['test_accuracy']:.4f}", loss=f"{data['test_loss']:.4f}",
-        )
+        shown = headline(data, self.objective)
+        metric, value = (shown[0], f"{shown[1]:.4f}") if shown else ("", "")
+        self.progress.update(self.task, completed=server_round, metric=metric, value=value)
 
     def update(self, event: JobEvent) -> None:
         if event.kind == "accepted":
+            self.objective = (event.data.get("objective") or {}).get("metric")
             self.progress.update(self.task, total=event.rounds, description=event.data.get("name", "rounds"))
         elif event.kind == "round_completed" and event.round is not None:
             self._show(event.round, event.data)
@@ -60,14 +65,18 @@ def print_summary(console: Console, result: dict[str, Any]) -> None:
         f"{mark} [bold]{result['name']}[/] ({result['job_id']}) {status} after "
         f"{result.get('rounds', 0)} rounds in {result['wall_seconds']:.1f} s"
     )
-    if "final_accuracy" in result:
+    final, initial = result.get("final", {}), result.get("initial", {})
+    objective, best = result.get("objective"), result.get("best")
+    for name, value in final.items():
+        before = f", initial {initial[name]:.4f}" if name in initial else ""
+        console.print(f"  {name}: final [bold cyan]{value:.4f}[/]{before}")
+    if objective and best:
         console.print(
-            f"  test accuracy: final [bold cyan]{result['final_accuracy']:.4f}[/], "
-            f"best {result['best_accuracy']:.4f} (round {result['best_round']}), "
-            f"initial {result.get('initial_accuracy', float('nan')):.4f}"
+            f"  best {objective['metric']} ({objective['mode']}): [bold]{best['value']:.4f}[/] "
+            f"in round {best['round']}"
         )
     if result.get("reason"):
         console.print(f"  reason: {result['reason']}")
     if result.get("model_path"):
         console.print(f"  model saved to [bold]{result['model_path']}[/]")
-        console.print("  load it with [bold]fedmq.common.checkpoint.load_model(path)[/] (safetensors)")
+        console.print("  load it with [bold]fedmq.load_model(path)[/] (safetensors)")

@@ -12,23 +12,18 @@ import os
 import queue
 import socket
 import threading
-import time
-from collections import OrderedDict
-from dataclasses import dataclass
 
-import numpy as np
 import structlog
 import torch
-from torch import nn
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
 from fedmq.common.errors import DecodeError, FedmqError
-from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
 from fedmq.common.messages import (
     ClientFailure,
-    ClientUpdate,
+    EvalTask,
     Heartbeat,
+    Message,
     ModelGet,
     ModelReply,
     TrainTask,
@@ -37,29 +32,13 @@ from fedmq.common.messages import (
     to_wire,
 )
 from fedmq.common.metrics import Metrics
-from fedmq.common.seeding import torch_generator
 from fedmq.common.settings import Settings
-from fedmq.common.workloads.datasets import load_dataset
-from fedmq.common.workloads.models import build_model
-from fedmq.common.workloads.partition import partition
-from fedmq.common.workloads.plugins import load_entrypoint
 from fedmq.services.learner.device import resolve_device
-from fedmq.services.learner.training import train_local
+from fedmq.services.learner.work import Work
 
 log = structlog.get_logger("fedmq.learner")
 
-MODEL_CACHE = 2  # the current round's weights, and the previous one for stragglers
-
-
-@dataclass
-class JobContext:
-    """What a learner keeps per job between tasks: data, partition and a model to reuse."""
-
-    spec: JobSpec
-    x: torch.Tensor
-    y: torch.Tensor
-    parts: list[np.ndarray]
-    model: nn.Module
+Task = TrainTask | EvalTask
 
 
 class LearnerService:
@@ -74,17 +53,23 @@ class LearnerService:
         self.node = settings.node or socket.gethostname()
         # Without a replica index (compose has none) the pid keeps names on one host apart.
         self.name = f"{self.node}/{given}" if given is not None else f"{self.node}/pid{os.getpid()}"
-        self.device = torch.device("cpu")
-        self._tasks: queue.SimpleQueue[tuple[TrainTask, Delivery]] = queue.SimpleQueue()
+        self.work = Work(settings, self.name, self._fetch, self.metrics)
+        self._tasks: queue.SimpleQueue[tuple[Task, Delivery]] = queue.SimpleQueue()
         self._stopping = False
-        self._contexts: OrderedDict[str, JobContext] = OrderedDict()
-        self._models: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._current: Delivery | None = None
-        self.fetches = 0  # global models fetched over the bus (the rest came from the cache)
         self.redelivered = 0  # tasks that reached this learner marked as redelivered
 
+    @property
+    def device(self) -> torch.device:
+        return self.work.device
+
+    @property
+    def fetches(self) -> int:
+        """Global models fetched over the bus (the rest came from the cache)."""
+        return self.work.fetches
+
     def start(self) -> None:
-        self.device = resolve_device(self.settings.device, self.replica)
+        self.work.device = resolve_device(self.settings.device, self.replica)
         # torch imports its compiler stack (~2 s here) on the first optimizer it builds:
         # pay that at start-up, not inside the first round.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
@@ -115,7 +100,7 @@ class LearnerService:
 
     def on_task(self, delivery: Delivery) -> None:
         try:
-            task = expect(from_wire(delivery.body, max_bytes=self.settings.frame_bytes), TrainTask)
+            task = _task(from_wire(delivery.body, max_bytes=self.settings.frame_bytes))
         except DecodeError as exc:
             log.warning("message_rejected", reason="decode", detail=str(exc))
             delivery.reject(f"decode: {exc}")
@@ -131,11 +116,14 @@ class LearnerService:
             task, delivery = self._tasks.get()
             self._run(task, delivery)
 
-    def _run(self, task: TrainTask, delivery: Delivery) -> None:
+    def _run(self, task: Task, delivery: Delivery) -> None:
         # contextvars are per thread: bind here, where the work runs.
         with structlog.contextvars.bound_contextvars(job=task.job_id, round=task.round, client=task.client):
             try:
-                reply = self._train(task)
+                if isinstance(task, EvalTask):
+                    reply = topology.SCHEDULER, to_wire(self.work.evaluate(task))
+                else:
+                    reply = topology.AGGREGATOR, to_wire(self.work.train(task))
             except FedmqError as exc:
                 log.warning("task_failed", error=str(exc))
                 reply = self._failure(task, "invalid", str(exc))
@@ -155,76 +143,24 @@ class LearnerService:
             self._current = None
             delivery.ack()
 
-    def _train(self, task: TrainTask) -> tuple[str, bytes]:
-        ctx = self._context(task)
-        weights = self._global_weights(task)
-        started = time.perf_counter()
-        ctx.model.load_state_dict(weights)
-        indices = torch.from_numpy(ctx.parts[task.client])
-        generator = torch_generator(ctx.spec.seed, "train", task.round, task.client)
-        train_fn = train_local
-        if ctx.spec.train.entrypoint:
-            train_fn = load_entrypoint(ctx.spec.train.entrypoint)
-        metrics = train_fn(
-            ctx.model, ctx.x[indices], ctx.y[indices], ctx.spec.train, generator, self.device
-        )
-        state = {k: v.detach().to("cpu", copy=True) for k, v in ctx.model.state_dict().items()}
-        seconds = time.perf_counter() - started
-        self.metrics.train_seconds.observe(seconds)
-        log.info("task_trained", examples=len(indices), seconds=round(seconds, 4),
-                 loss=round(float(metrics.get("loss", float("nan"))), 4))
-        update = ClientUpdate(
-            job_id=task.job_id,
-            task_id=task.task_id,
-            round=task.round,
-            client=task.client,
-            base_digest=task.model_digest,
-            num_examples=len(indices),
-            metrics={k: float(v) for k, v in metrics.items()},
-            train_seconds=seconds,
-            learner=self.name,
-            weights=state,
-        )
-        return topology.AGGREGATOR, to_wire(update)
-
-    def _failure(self, task: TrainTask, code: str, reason: str) -> tuple[str, bytes]:
+    def _failure(self, task: Task, code: str, reason: str) -> tuple[str, bytes]:
         failure = ClientFailure(
             job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
             code=code, reason=reason[:500], learner=self.name,
         )
         return topology.SCHEDULER, to_wire(failure)
 
-    def _context(self, task: TrainTask) -> JobContext:
-        key = task.job_id  # a job's spec never changes after submission
-        ctx = self._contexts.get(key)
-        if ctx is None:
-            spec = parse_job(task.spec)
-            data = load_dataset(spec.data, spec.seed)
-            parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
-            model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
-            ctx = JobContext(spec, torch.tensor(data.x_train), torch.tensor(data.y_train),
-                             parts, model.to(self.device))
-            self._contexts[key] = ctx
-            while len(self._contexts) > 4:
-                self._contexts.popitem(last=False)
-            log.info("job_loaded", spec=canonical_json(spec)[:200])
-        return ctx
-
-    def _global_weights(self, task: TrainTask) -> dict[str, torch.Tensor]:
-        """The round's global model: from the cache by digest, else fetched once."""
-        weights = self._models.get(task.model_digest)
-        if weights is not None:
-            self._models.move_to_end(task.model_digest)
-            return weights
-        request = to_wire(ModelGet(job_id=task.job_id, digest=task.model_digest))
+    def _fetch(self, job_id: str, digest: str) -> dict[str, torch.Tensor]:
+        """A global model from the aggregator, by digest (request/reply over the bus)."""
+        request = to_wire(ModelGet(job_id=job_id, digest=digest))
         body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
         reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ModelReply)
         if reply.error or reply.weights is None:
-            raise FedmqError(f"model {task.model_digest[:12]} unavailable: {reply.error}")
-        self.fetches += 1
-        self.metrics.model_fetches.inc()
-        weights = dict(reply.weights)
-        self._models[task.model_digest] = weights
-        while len(self._models) > MODEL_CACHE:
-            self._models.popitem(last=False)
-        return weights
+            raise FedmqError(f"model {digest[:12]} unavailable: {reply.error}")
+        return dict(reply.weights)
+
+
+def _task(msg: Message) -> Task:
+    if isinstance(msg, TrainTask | EvalTask):
+        return msg
+    raise DecodeError(f"unexpected message type {msg.type!r} on the task queue")  # type: ignore[attr-defined]

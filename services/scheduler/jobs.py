@@ -25,3 +25,16 @@ class SchedJob:
     nudge: Timer | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
+    # The open round's traffic and time, summed from its accepted updates.
+    sync: dict[str, float] = field(default_factory=dict)
+    # Federated evaluation of the round just closed: its bookkeeping, the reports so far
+    # (client -> examples, metrics, reduction rules) and the round's record awaiting them.
+    evaluation: RoundState | None = None
+    eval_reports: dict[int, dict[str, Any]] = field(default_factory=dict)
+    pending: dict[str, Any] | None = None
+    best: dict[str, Any] | None = None  # the objective's best round: round, value, model_digest
+
+    @property
+    def active(self) -> RoundState | None:
+        """The bookkeeping whose deadline runs now: the evaluation, else the training round."""
+        return self.evaluation if self.evaluation is not None else self.state

@@ -21,6 +21,8 @@ from fedmq.common.errors import ConfigError, DecodeError, ValidationError
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientFailure,
+    EvalReport,
+    EvalTask,
     EventKind,
     Heartbeat,
     JobCancel,
@@ -40,6 +42,7 @@ from fedmq.common.messages import (
 )
 from fedmq.common.metrics import Metrics, reason_label
 from fedmq.common.settings import Settings
+from fedmq.services.scheduler.evaluation import better, combine_reports, eval_clients, federated_due, round_record
 from fedmq.services.scheduler.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, SchedJob
 from fedmq.services.scheduler.registry import Registry
 from fedmq.services.scheduler.rounds import Decision, RoundState
@@ -80,7 +83,7 @@ class SchedulerService:
                 self.bus.call_soon(functools.partial(self._republish_create, job))
             else:
                 self._arm_deadline(job)
-                if job.state.closing:
+                if job.evaluation is None and job.state.closing:
                     self.bus.call_soon(functools.partial(self._republish_close, job))
 
     def _republish_create(self, job: SchedJob) -> None:
@@ -148,11 +151,19 @@ class SchedulerService:
             case RoundClosed():
                 self.round_closed(job, msg)
             case UpdateAccepted():
-                if job.state and job.state.round == msg.round:
-                    job.state.record_update(msg.client, msg.num_examples)
+                if job.state and job.state.round == msg.round and job.state.record_update(msg.client, msg.num_examples):
+                    for key, value in (("train_seconds", msg.train_seconds), ("fetch_seconds", msg.fetch_seconds),
+                                       ("bytes_up", msg.bytes)):
+                        job.sync[key] = job.sync.get(key, 0.0) + value
                     self._advance(job)
+            case EvalReport():
+                self.eval_report(job, msg)
             case ClientFailure():
-                if job.state and job.state.round == msg.round:
+                if job.evaluation is not None and job.evaluation.round == msg.round:
+                    log.warning("client_failed", client=msg.client, code=msg.code, reason=msg.reason)
+                    job.evaluation.record_failure(msg.client, f"{msg.code}: {msg.reason}")
+                    self._advance_evaluation(job)
+                elif job.state and job.state.round == msg.round:
                     log.warning("client_failed", client=msg.client, code=msg.code, reason=msg.reason)
                     self.metrics.client_failures.labels(reason_label(msg.code)).inc()
                     job.state.record_failure(msg.client, f"{msg.code}: {msg.reason}")
@@ -179,40 +190,95 @@ class SchedulerService:
         self.bus.publish(topology.AGGREGATOR, to_wire(JobCreate(job_id=msg.job_id, spec=msg.spec)))
         job = SchedJob(msg.job_id, spec, msg.spec)
         self.jobs[msg.job_id] = job
-        self._event(job.job_id, "accepted", rounds=spec.rounds, data={"name": spec.name})
+        objective = None if spec.objective is None else spec.objective.model_dump()
+        self._event(job.job_id, "accepted", rounds=spec.rounds, data={"name": spec.name, "objective": objective})
         log.info("job_accepted", name=spec.name, rounds=spec.rounds, clients=spec.clients.total)
 
     def round_closed(self, job: SchedJob, msg: RoundClosed) -> None:
-        if msg.round != job.round:
+        if msg.round != job.round or job.evaluation is not None:
             log.info("round_closed_duplicate", closed=msg.round)
             return
         if job.state is not None and job.state.round == msg.round and not job.state.closing:
             log.warning("round_closed_unasked", closed=msg.round)  # not ours to take: wait for quorum
             return
+        if job.history and job.history[-1]["round"] == msg.round:
+            log.info("round_closed_duplicate", closed=msg.round)
+            return
         job.model_digest = msg.model_digest
-        record = msg.model_dump(include={
-            "round", "test_loss", "test_accuracy", "train_loss", "train_accuracy", "num_examples",
-            "aggregate_seconds", "model_path", "model_digest",
-        })
-        if job.state is not None:
-            record["clients"] = len(job.state.reported)
-            record["failed"] = len(job.state.failed)
-            record["seconds"] = time.monotonic() - job.state.started
-        if not job.history or job.history[-1]["round"] != msg.round:
-            job.history.append(record)
-            self._event(job.job_id, "round_completed", round=msg.round, data=record)
-            self._gauge_round(job, msg, record)
-        if msg.round >= job.spec.rounds:
-            self._finish(job, COMPLETED, "", model_path=msg.model_path)
+        state = job.state
+        record = round_record(
+            msg, job.sync, clients=len(state.reported) if state else 0, failed=len(state.failed) if state else 0,
+            seconds=time.monotonic() - state.started if state else 0.0,
+        )
+        if federated_due(job.spec, msg.round):
+            self.start_evaluation(job, record)
         else:
-            self.start_round(job, msg.round + 1)
+            self._complete_round(job, record)
 
-    def _gauge_round(self, job: SchedJob, msg: RoundClosed, record: dict[str, Any]) -> None:
+    def _complete_round(self, job: SchedJob, record: dict[str, Any]) -> None:
+        """The round's record is whole: keep it, tell watchers, then the next round or the end."""
+        job.history.append(record)
+        best = better(job.spec, record, job.best)
+        if best is not None:
+            job.best = best
+        self._event(job.job_id, "round_completed", round=record["round"], data=record)
+        self._gauge_round(job, record)
+        if record["round"] >= job.spec.rounds:
+            self._finish(job, COMPLETED, "", model_path=record.get("model_path"), best=job.best)
+        else:
+            self.start_round(job, record["round"] + 1)
+
+    def start_evaluation(self, job: SchedJob, record: dict[str, Any]) -> None:
+        """Sampled clients evaluate the round's new model; the round completes when they have."""
+        fed = job.spec.evaluate.federated
+        assert fed is not None
+        clients = eval_clients(job.spec, record["round"])
+        self._dispatch_eval(job, record["round"], clients)
+        job.pending, job.eval_reports = record, {}
+        job.evaluation = RoundState(
+            round=record["round"], clients=clients, quorum=min(fed.quorum, len(clients)),
+            deadline=time.monotonic() + job.spec.round_timeout_s, retries_left=job.spec.max_round_retries,
+            started=time.monotonic(),
+        )
+        self._arm_deadline(job)
+
+    def eval_report(self, job: SchedJob, msg: EvalReport) -> None:
+        evaluation = job.evaluation
+        if evaluation is None or evaluation.round != msg.round:
+            log.info("eval_report_stale", reported=msg.round)
+            return
+        if evaluation.record_update(msg.client, msg.num_examples):
+            job.eval_reports[msg.client] = {
+                "num_examples": msg.num_examples, "metrics": msg.metrics, "reduction": msg.reduction,
+            }
+            self._advance_evaluation(job)
+
+    def _advance_evaluation(self, job: SchedJob) -> None:
+        evaluation, record = job.evaluation, job.pending
+        assert evaluation is not None and record is not None
+        decision = evaluation.decide(time.monotonic())
+        if decision is Decision.WAIT:
+            return
+        if decision is Decision.RETRY:
+            self._dispatch_eval(job, evaluation.round, evaluation.missing)
+            evaluation.retry(time.monotonic() + job.spec.round_timeout_s)
+            self._arm_deadline(job)
+            return
+        if decision is Decision.CLOSE:
+            record["metrics"]["federated"] = combine_reports(job.eval_reports)
+        else:  # below quorum with no retries left: the round goes on without federated metrics
+            log.warning("evaluation_below_quorum", reported=len(evaluation.reported), quorum=evaluation.quorum)
+        record["evaluated_by"] = len(evaluation.reported)
+        job.evaluation, job.pending, job.eval_reports = None, None, {}
+        self._cancel_timers(job)
+        self._complete_round(job, record)
+
+    def _gauge_round(self, job: SchedJob, record: dict[str, Any]) -> None:
         m = self.metrics
-        m.global_accuracy.labels(job.job_id).set(msg.test_accuracy)
-        m.global_loss.labels(job.job_id).set(msg.test_loss)
-        m.current_round.labels(job.job_id).set(msg.round)
-        if msg.round > 0:
+        m.current_round.labels(job.job_id).set(record["round"])
+        if "federated" in record["metrics"]:  # the aggregator exports the sources it computes
+            m.round_metrics(job.job_id, {"federated": record["metrics"]["federated"]})
+        if record["round"] > 0:
             m.rounds_completed.labels(job.job_id).inc()
             m.round_duration.observe(record.get("seconds", 0.0))
 
@@ -227,7 +293,7 @@ class SchedulerService:
             to_wire(RoundOpen(job_id=job.job_id, round=server_round, clients=clients)),
         )
         self._dispatch(job, server_round, clients)
-        job.round = server_round
+        job.round, job.sync = server_round, {}
         job.state = RoundState(
             round=server_round,
             clients=clients,
@@ -251,13 +317,25 @@ class SchedulerService:
             )
             self.bus.publish(topology.TASKS, to_wire(task))
 
-    def _arm_deadline(self, job: SchedJob) -> None:
+    def _dispatch_eval(self, job: SchedJob, server_round: int, clients: list[int]) -> None:
+        for client in clients:
+            task = EvalTask(
+                job_id=job.job_id, task_id=f"{job.job_id}:e{server_round}:{client}", round=server_round,
+                client=client, model_digest=job.model_digest, spec=job.raw_spec,
+            )
+            self.bus.publish(topology.TASKS, to_wire(task))
+
+    def _cancel_timers(self, job: SchedJob) -> None:
         for timer in (job.timer, job.nudge):
             if timer is not None:
                 timer.cancel()
-        assert job.state is not None
-        delay = max(0.0, job.state.deadline - time.monotonic())
-        server_round = job.state.round
+
+    def _arm_deadline(self, job: SchedJob) -> None:
+        self._cancel_timers(job)
+        active = job.active
+        assert active is not None
+        delay = max(0.0, active.deadline - time.monotonic())
+        server_round = active.round
         job.timer = self.bus.call_later(delay, lambda: self._on_deadline(job.job_id, server_round))
         # Near the deadline, tasks still missing go out again with the same ids: a learner that
         # froze (no broker redelivery yet) should not cost the round its quorum. Duplicates are ignored.
@@ -267,20 +345,29 @@ class SchedulerService:
 
     def _on_nudge(self, job_id: str, server_round: int) -> None:
         job = self.jobs.get(job_id)
-        if not (job and job.status == RUNNING and job.state and job.state.round == server_round):
+        active = job.active if job and job.status == RUNNING else None
+        if job is None or active is None or active.round != server_round:
             return
-        missing = [c for c in job.state.missing if c not in job.state.failed]
-        if job.state.closing or not missing:
+        missing = [c for c in active.missing if c not in active.failed]
+        if active.closing or not missing:
             return
         log.info("round_redispatch", round=server_round, missing=len(missing))
         self.metrics.tasks_redispatched.inc(len(missing))
-        self._dispatch(job, server_round, missing)
+        if job.evaluation is not None:
+            self._dispatch_eval(job, server_round, missing)
+        else:
+            self._dispatch(job, server_round, missing)
 
     def _on_deadline(self, job_id: str, server_round: int) -> None:
         job = self.jobs.get(job_id)
-        if job and job.status == RUNNING and job.state and job.state.round == server_round:
+        active = job.active if job and job.status == RUNNING else None
+        if job is None or active is None or active.round != server_round:
+            return
+        if job.evaluation is not None:
+            self._advance_evaluation(job)
+        else:
             self._advance(job)
-            self.rows.save(job)
+        self.rows.save(job)
 
     def _advance(self, job: SchedJob) -> None:
         state = job.state
@@ -297,9 +384,7 @@ class SchedulerService:
                 to_wire(RoundClose(job_id=job.job_id, round=state.round, clients=clients)),
             )
             state.closing = True
-            for timer in (job.timer, job.nudge):
-                if timer is not None:
-                    timer.cancel()
+            self._cancel_timers(job)
         elif decision is Decision.RETRY:
             missing = state.missing
             log.warning("round_retry", missing=len(missing), retries_left=state.retries_left - 1)
@@ -321,9 +406,7 @@ class SchedulerService:
 
     def _finish(self, job: SchedJob, status: str, reason: str, **data: Any) -> None:
         job.status, job.reason = status, reason
-        for timer in (job.timer, job.nudge):
-            if timer is not None:
-                timer.cancel()
+        self._cancel_timers(job)
         kind: EventKind = {COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled"}[status]  # type: ignore[assignment]
         self._event(job.job_id, kind, round=job.round, data={"reason": reason, **data})
         log.info("job_finished", status=status, reason=reason)

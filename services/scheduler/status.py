@@ -41,8 +41,9 @@ def job_summary(job: SchedJob, now: float, history: bool) -> dict[str, Any]:
         "status": job.status,
         "round": job.round,
         "rounds": job.spec.rounds,
-        "test_accuracy": last.get("test_accuracy"),
-        "test_loss": last.get("test_loss"),
+        "metrics": last.get("metrics", {}),
+        "objective": None if job.spec.objective is None else job.spec.objective.model_dump(),
+        "best": job.best,
         "reason": job.reason,
         "model_path": last.get("model_path"),
     }

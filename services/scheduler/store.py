@@ -45,27 +45,42 @@ class JobRows:
 
 
 def _to_row(job: SchedJob) -> dict[str, Any]:
-    state = None
-    if job.state is not None:
-        state = asdict(job.state)
-        remaining = job.state.deadline - time.monotonic()
-        state["deadline"] = time.time() + remaining  # wall clock on disk
-        state["started"] = time.time() - (time.monotonic() - job.state.started)
-        state["reported"] = [[c, n] for c, n in job.state.reported.items()]
-        state["failed"] = [[c, r] for c, r in job.state.failed.items()]
     return {
         "job_id": job.job_id, "raw_spec": job.raw_spec, "status": job.status, "round": job.round,
-        "model_digest": job.model_digest, "history": job.history, "reason": job.reason, "state": state,
+        "model_digest": job.model_digest, "history": job.history, "reason": job.reason,
+        "state": _state_row(job.state), "sync": job.sync, "evaluation": _state_row(job.evaluation),
+        "eval_reports": [[c, r] for c, r in job.eval_reports.items()], "pending": job.pending, "best": job.best,
     }
 
 
 def _from_row(row: dict[str, Any]) -> dict[str, Any]:
-    """Fields for SchedJob(...), with the round state back on the monotonic clock."""
-    state = row.pop("state")
-    if state is not None:
-        state["deadline"] = time.monotonic() + (state["deadline"] - time.time())
-        state["started"] = time.monotonic() - (time.time() - state["started"])
-        state["reported"] = {int(c): int(n) for c, n in state["reported"]}
-        state["failed"] = {int(c): str(r) for c, r in state["failed"]}
-        state = RoundState(**state)
-    return {**row, "spec": parse_job(row["raw_spec"]), "state": state}
+    """Fields for SchedJob(...), with the round states back on the monotonic clock."""
+    return {
+        **row,
+        "spec": parse_job(row["raw_spec"]),
+        "state": _state_from_row(row["state"]),
+        "evaluation": _state_from_row(row.get("evaluation")),
+        "eval_reports": {int(c): r for c, r in row.get("eval_reports", [])},
+    }
+
+
+def _state_row(state: RoundState | None) -> dict[str, Any] | None:
+    if state is None:
+        return None
+    row = asdict(state)
+    row["deadline"] = time.time() + (state.deadline - time.monotonic())  # wall clock on disk
+    row["started"] = time.time() - (time.monotonic() - state.started)
+    row["reported"] = [[c, n] for c, n in state.reported.items()]
+    row["failed"] = [[c, r] for c, r in state.failed.items()]
+    return row
+
+
+def _state_from_row(row: dict[str, Any] | None) -> RoundState | None:
+    if row is None:
+        return None
+    row = dict(row)
+    row["deadline"] = time.monotonic() + (row["deadline"] - time.time())
+    row["started"] = time.monotonic() - (time.time() - row["started"])
+    row["reported"] = {int(c): int(n) for c, n in row["reported"]}
+    row["failed"] = {int(c): str(r) for c, r in row["failed"]}
+    return RoundState(**row)

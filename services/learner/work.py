@@ -1,0 +1,166 @@
+"""A learner's work on one task: the job's Task, its clients' data and models, no bus.
+
+    TrainTask ─▶ global weights (cache by digest, else fetched) ─▶ client data (bounded cache)
+              ─▶ Task.train or fedmq's loop over Task.loss ─▶ ClientUpdate
+    EvalTask  ─▶ the same weights and data ─▶ Task.evaluate on the client's val data ─▶ EvalReport
+
+A learner loads data only for the clients it serves, when it first serves them, and keeps at
+most `FEDMQ_DATA_CACHE_CLIENTS` clients' data at once (least recently used goes first).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+from torch import nn
+
+from fedmq.common.errors import FedmqError
+from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
+from fedmq.common.messages import ClientUpdate, EvalReport, EvalTask, TrainTask
+from fedmq.common.metrics import Metrics
+from fedmq.common.seeding import torch_generator
+from fedmq.common.settings import Settings
+from fedmq.common.task.contract import ClientData, EvalContext, TrainContext, TrainSettings
+from fedmq.common.task.runtime import TaskRuntime
+
+log = structlog.get_logger("fedmq.learner")
+
+MODEL_CACHE = 2  # the current round's weights, and the previous one for stragglers
+JOB_CACHE = 4  # jobs whose Task and model a learner keeps between tasks
+
+Fetch = Callable[[str, str], dict[str, torch.Tensor]]  # (job id, digest) -> global weights
+
+
+@dataclass
+class JobContext:
+    """What a learner keeps per job between tasks: the Task and a model on the device to reuse."""
+
+    spec: JobSpec
+    runtime: TaskRuntime
+    model: nn.Module
+
+
+class ClientDataCache:
+    """At most `limit` clients' data, least recently used evicted first; counts what it loaded."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._data: OrderedDict[tuple[str, int], ClientData] = OrderedDict()
+        self.loads: dict[tuple[str, int], int] = {}  # (job, client) -> times loaded here
+        self.most_held = 0
+
+    def get(self, job_id: str, client: int, load: Callable[[], ClientData]) -> ClientData:
+        key = (job_id, client)
+        data = self._data.get(key)
+        if data is not None:
+            self._data.move_to_end(key)
+            return data
+        data = load()
+        self.loads[key] = self.loads.get(key, 0) + 1
+        self._data[key] = data
+        while len(self._data) > self.limit:
+            self._data.popitem(last=False)
+        self.most_held = max(self.most_held, len(self._data))
+        return data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class Work:
+    """Trains and evaluates tasks on this learner's device."""
+
+    def __init__(self, settings: Settings, name: str, fetch: Fetch, metrics: Metrics) -> None:
+        self.settings = settings
+        self.name = name
+        self.device = torch.device("cpu")
+        self.fetch = fetch
+        self.metrics = metrics
+        self.data = ClientDataCache(settings.data_cache_clients)
+        self._jobs: OrderedDict[str, JobContext] = OrderedDict()
+        self._models: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+        self.fetches = 0  # global models fetched over the bus (the rest came from the cache)
+
+    def train(self, task: TrainTask) -> ClientUpdate:
+        job = self._job(task.job_id, task.spec)
+        started = time.perf_counter()
+        weights = self._weights(task.job_id, task.model_digest)
+        fetched = time.perf_counter()
+        data = self._client_data(job, task.job_id, task.client)
+        job.model.load_state_dict(weights)
+        t = job.spec.train
+        ctx = TrainContext(
+            client=task.client, round=task.round, seed=job.spec.seed, device=self.device,
+            train=TrainSettings(epochs=t.epochs, batch_size=t.batch_size, max_steps=t.max_steps,
+                                optimizer=t.optimizer, lr=t.lr, momentum=t.momentum,
+                                weight_decay=t.weight_decay, options=t.options),
+            generator=torch_generator(job.spec.seed, "train", task.round, task.client),
+            global_weights=weights, config=task.config,
+        )
+        result = job.runtime.train(job.model, data, ctx)
+        if result.num_examples == 0:
+            raise FedmqError(f"client {task.client} has no training data")
+        state = {k: v.detach().to("cpu", copy=True) for k, v in job.model.state_dict().items()}
+        seconds = time.perf_counter() - fetched
+        self.metrics.train_seconds.observe(seconds)
+        log.info("task_trained", examples=result.num_examples, seconds=round(seconds, 4),
+                 loss=round(result.metrics.get("loss", float("nan")), 4))
+        return ClientUpdate(
+            job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
+            base_digest=task.model_digest, num_examples=result.num_examples, metrics=dict(result.metrics),
+            train_seconds=seconds, fetch_seconds=fetched - started, learner=self.name, weights=state,
+        )
+
+    def evaluate(self, task: EvalTask) -> EvalReport:
+        job = self._job(task.job_id, task.spec)
+        weights = self._weights(task.job_id, task.model_digest)
+        data = self._client_data(job, task.job_id, task.client)
+        job.model.load_state_dict(weights)
+        report = EvalReport(job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
+                            num_examples=0, learner=self.name)
+        if data.val is None:
+            return report  # this client holds no validation data
+        ctx = EvalContext(round=task.round, seed=job.spec.seed, device=self.device,
+                          batch_size=job.spec.train.batch_size, client=task.client)
+        result = job.runtime.evaluate(job.model, data.val, ctx)
+        return report.model_copy(update={
+            "num_examples": result.num_examples, "metrics": dict(result.metrics),
+            "reduction": {k: v for k, v in job.runtime.reductions.items() if k in result.metrics},
+        })
+
+    def _job(self, job_id: str, raw_spec: dict[str, object]) -> JobContext:
+        job = self._jobs.get(job_id)  # a job's spec never changes after submission
+        if job is None:
+            spec = parse_job(raw_spec)
+            runtime = TaskRuntime.for_job(spec)
+            job = JobContext(spec, runtime, runtime.build_model().to(self.device))
+            self._jobs[job_id] = job
+            while len(self._jobs) > JOB_CACHE:
+                self._jobs.popitem(last=False)
+            log.info("job_loaded", spec=canonical_json(spec)[:200])
+        else:
+            self._jobs.move_to_end(job_id)
+        return job
+
+    def _client_data(self, job: JobContext, job_id: str, client: int) -> ClientData:
+        data_dir = self.settings.data_dir
+        return self.data.get(job_id, client, lambda: job.runtime.load_data(client, data_dir))
+
+    def _weights(self, job_id: str, digest: str) -> dict[str, torch.Tensor]:
+        """The round's global model: from the cache by digest, else fetched once."""
+        weights = self._models.get(digest)
+        if weights is not None:
+            self._models.move_to_end(digest)
+            return weights
+        weights = self.fetch(job_id, digest)
+        self.fetches += 1
+        self.metrics.model_fetches.inc()
+        self._models[digest] = weights
+        while len(self._models) > MODEL_CACHE:
+            self._models.popitem(last=False)
+        return weights
