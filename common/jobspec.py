@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -265,6 +265,10 @@ def _resolve(loc: tuple[int | str, ...]) -> tuple[list[str], type[BaseModel] | N
             continue
         field = section.model_fields.get(str(part)) if section is not None else None
         annotation = field.annotation if field is not None else None
+        # An optional section (`X | None`) is the section X.
+        members = [a for a in get_args(annotation) if a is not type(None)] if get_args(annotation) else []
+        if len(members) == 1:
+            annotation = members[0]
         is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
         section = annotation if is_model else None  # type: ignore[assignment]
         i += 1

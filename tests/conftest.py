@@ -44,8 +44,9 @@ def small_job(**changes: Any) -> JobSpec:
     raw: dict[str, Any] = {
         "name": "tiny",
         "seed": 3,
-        "model": {"name": "mlp", "hidden": [32]},
-        "data": {"name": "digits", "partition": {"kind": "dirichlet", "alpha": 0.5}},
+        "task": {"name": "digits", "options": {
+            "model": {"name": "mlp", "hidden": [32]}, "partition": {"kind": "dirichlet", "alpha": 0.5},
+        }},
         "clients": {"total": 5},
         "rounds": 3,
         "train": {"epochs": 1, "batch_size": 32, "lr": 0.1},
@@ -58,6 +59,13 @@ def small_job(**changes: Any) -> JobSpec:
             node = node.setdefault(key, {})
         node[leaf] = value
     return parse_job(raw)
+
+
+def shard_size(spec: JobSpec, client: int) -> int:
+    """How many training examples `client` of the spec's Task holds."""
+    from fedmq.common.task.runtime import TaskRuntime
+
+    return len(TaskRuntime.for_job(spec).load_data(client, None).train[1])
 
 
 def assert_bit_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -76,7 +84,7 @@ def assert_matches_reference(result: dict[str, Any], expected: dict[str, Any]) -
         torch.testing.assert_close(tensor, expected["weights"][name], rtol=RTOL, atol=ATOL, msg=name)
     # Weights a few ulps apart may put a test example either side of a tie: allow one example.
     one_example = 1 / expected["test_examples"]
-    accuracies = [h["test_accuracy"] for h in result["history"][1:]]
+    accuracies = [h["metrics"]["server"]["accuracy"] for h in result["history"][1:]]
     assert accuracies == pytest.approx(expected["accuracies"], rel=0, abs=one_example)
 
 

@@ -6,8 +6,9 @@ client k runs E epochs of minibatch SGD on its n_k examples; the server's new w 
 sum_k (n_k / n) w_k. FedAvgM (Hsu et al. 2019) adds a server step with momentum.
 
 Shared with fedmq, because they define the problem rather than the algorithm: the seed
-streams (`fedmq.common.seeding`), the dataset, its split over clients, the initial model and
-each round's client sample (`sample_clients`). Each has unit tests of its own, and computing
+streams (`fedmq.common.seeding`), the job's Task (its model with fedmq's seeded initial
+weights, each client's data, the held-out split) and each round's client sample
+(`sample_clients`). Each has unit tests of its own, and computing
 them afresh would only test that two copies agree. Written here afresh, and shared with
 nothing in fedmq: local training (its own loop and SGD step; `torch.optim.Adam` for adam),
 the weighted average, the FedAvgM server step, and accuracy. The only rule the training
@@ -16,8 +17,9 @@ shares is the one a reproducible run needs: round r, client k shuffles each epoc
 
 The float operations come in another order than the services' (a float64 average, plain
 SGD arithmetic, one evaluation batch), so the services agree with this loop to within a
-float tolerance (`tests/conftest.py`), not bit for bit. `train.entrypoint` is ignored: the
-test plug-ins only delay, gate or fail the built-in training.
+float tolerance (`tests/conftest.py`), not bit for bit. It trains classifiers (cross-entropy on
+(x, y) batches), as the digits Task and the test Tasks built on it are: their own `train`
+methods only delay, gate or fail the built-in training.
 """
 
 from __future__ import annotations
@@ -30,9 +32,7 @@ from torch import nn
 
 from fedmq.common.jobspec import AverageStrategy, FedAvgMStrategy, JobSpec, TrainSpec
 from fedmq.common.seeding import torch_generator
-from fedmq.common.workloads.datasets import load_dataset
-from fedmq.common.workloads.models import build_model
-from fedmq.common.workloads.partition import partition
+from fedmq.common.task.runtime import TaskRuntime
 from fedmq.services.scheduler.sampling import sample_clients
 
 Weights = dict[str, torch.Tensor]
@@ -40,11 +40,9 @@ Weights = dict[str, torch.Tensor]
 
 def reference_fedavg(spec: JobSpec) -> dict[str, Any]:
     """Train `spec` in one loop: final weights, per-round accuracy, round times, test set size."""
-    data = load_dataset(spec.data, spec.seed)
-    shards = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
-    model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
-    x, y = torch.tensor(data.x_train), torch.tensor(data.y_train)
-    x_test, y_test = torch.tensor(data.x_test), torch.tensor(data.y_test)
+    task = TaskRuntime.for_job(spec)
+    model = task.build_model()
+    x_test, y_test = task.load_server_data(None)
     w = _copy(model)
     velocity: Weights = {}
     accuracies, round_seconds = [], []
@@ -53,9 +51,9 @@ def reference_fedavg(spec: JobSpec) -> dict[str, Any]:
         updates = []
         for k in sample_clients(spec.seed, r, spec.clients.total, spec.clients.sampled):
             model.load_state_dict(w)
-            rows = torch.from_numpy(shards[k])
-            client_update(model, x[rows], y[rows], spec.train, torch_generator(spec.seed, "train", r, k))
-            updates.append((len(rows), _copy(model)))
+            x, y = task.load_data(k, None).train
+            client_update(model, x, y, spec.train, torch_generator(spec.seed, "train", r, k))
+            updates.append((len(y), _copy(model)))
         if isinstance(spec.strategy, AverageStrategy):
             updates = [(1, w_k) for _, w_k in updates]
         averaged = weighted_average(updates)

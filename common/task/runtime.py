@@ -1,9 +1,15 @@
 """One job's Task at work in a service: every call into user code goes through here.
 
-Each call is seeded (torch's global RNG, under one process-wide lock so that learner threads
-sharing a process cannot interleave their draws), checked (what it returns must be what the
-contract says) and named when it fails: a UserCodeError carries the Task method, the client
-and the round, so a job fails with a reason a user can act on.
+Each call is seeded, checked (what it returns must be what the contract says) and named when
+it fails: a UserCodeError carries the Task method, the client and the round, so a job fails
+with a reason a user can act on.
+
+Seeding: torch's global RNG (dropout, `torch.rand` in user code) is seeded from (job seed,
+round, client) around every call. It is one per process: building models and loading data
+take turns under a lock, but training and evaluation do not (a Task hung in one learner
+thread must not stop the others), so with several learner threads in one process
+(`fedmq run --learners N`) only `ctx.generator` draws are reproducible. One learner per
+process, the default and every deployment, reproduces both.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from fedmq.common.task.metrics import check_metrics, check_rules
 if TYPE_CHECKING:
     from fedmq.common.jobspec import JobSpec
 
-# torch's global RNG is one per process: seeded sections of user code take turns.
+# torch's global RNG is one per process: model building and data loading take turns (module docstring).
 _RNG_LOCK = threading.RLock()
 
 
@@ -126,7 +132,6 @@ class TaskRuntime:
         before = _shapes(model)
         method = "train" if has_train(self.task) else "loss"
         with (
-            _RNG_LOCK,
             torch.random.fork_rng(devices=_cuda(ctx.device)),
             user_call(method, client=ctx.client, round=ctx.round),
         ):
@@ -149,7 +154,6 @@ class TaskRuntime:
     def evaluate(self, model: nn.Module, data: Any, ctx: EvalContext) -> EvalResult:
         """Metrics of `model` on `data`, checked; the example count is len(data) unless given."""
         with (
-            _RNG_LOCK,
             torch.random.fork_rng(devices=_cuda(ctx.device)),
             user_call("evaluate", client=ctx.client, round=ctx.round),
         ):

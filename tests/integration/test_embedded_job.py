@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedmq.common.checkpoint import load_model, load_state
+import fedmq
+from fedmq.common.checkpoint import load_state
 from fedmq.common.settings import Settings
-from fedmq.common.workloads.datasets import load_dataset
-from fedmq.common.workloads.partition import partition
-from fedmq.services.aggregator.evaluation import evaluate
+from fedmq.common.task.runtime import TaskRuntime
 from fedmq.services.cli.embedded import run_job
-from tests.conftest import assert_bit_identical, assert_matches_reference, small_job
+from tests.conftest import assert_bit_identical, assert_matches_reference, shard_size, small_job
 from tests.integration import train_plugins
 from tests.reference import reference_fedavg
 
@@ -24,7 +23,7 @@ def test_a_short_job_improves_accuracy_over_its_initial_model(settings: Settings
     result = run_job(small_job(), settings, idle_timeout=60)
     assert result["status"] == "completed"
     assert [h["round"] for h in result["history"]] == [0, 1, 2, 3]
-    assert result["final_accuracy"] > result["initial_accuracy"] + 0.3
+    assert result["final"]["server.accuracy"] > result["initial"]["server.accuracy"] + 0.3
 
 
 def test_two_runs_of_the_same_spec_give_bit_identical_weights(settings: Settings, tmp_path) -> None:
@@ -32,9 +31,7 @@ def test_two_runs_of_the_same_spec_give_bit_identical_weights(settings: Settings
     second = run_job(small_job(), Settings(state_dir=tmp_path / "other"), idle_timeout=60)
     assert first["model_digest"] == second["model_digest"]
     assert_bit_identical(final_weights(first), final_weights(second))
-    assert [h["test_accuracy"] for h in first["history"]] == [
-        h["test_accuracy"] for h in second["history"]
-    ]
+    assert [h["metrics"] for h in first["history"]] == [h["metrics"] for h in second["history"]]
 
 
 def test_changing_the_seed_changes_the_final_weights(settings: Settings) -> None:
@@ -59,15 +56,15 @@ def test_three_learners_give_the_same_weights_as_one(settings: Settings, tmp_pat
     [
         {"strategy": {"name": "average"}},
         {"strategy": {"name": "fedavgm", "server_momentum": 0.5}},
-        {"model": {"name": "cnn", "channels": [8]}, "data__partition": {"kind": "shards"}},
-        {"data__partition": {"kind": "iid"}, "train__optimizer": "adam", "train__lr": 0.01},
+        {"task__options__model": {"name": "cnn", "channels": [8]}, "task__options__partition": {"kind": "shards"}},
+        {"task__options__partition": {"kind": "iid"}, "train__optimizer": "adam", "train__lr": 0.01},
     ],
     ids=["average", "fedavgm", "cnn-shards", "iid-adam"],
 )
 def test_every_strategy_model_and_partition_learns(settings: Settings, changes: dict) -> None:
     result = run_job(small_job(rounds=4, **changes), settings, idle_timeout=60)
     assert result["status"] == "completed"
-    assert result["final_accuracy"] > result["initial_accuracy"] + 0.2
+    assert result["final"]["server.accuracy"] > result["initial"]["server.accuracy"] + 0.2
 
 
 def test_sampling_trains_only_per_round_clients_each_round(settings: Settings) -> None:
@@ -79,34 +76,25 @@ def test_sampling_trains_only_per_round_clients_each_round(settings: Settings) -
 def test_the_saved_model_reloads_and_scores_the_reported_accuracy(settings: Settings) -> None:
     spec = small_job()
     result = run_job(spec, settings, idle_timeout=60)
-    model = load_model(result["model_path"])
-    data = load_dataset(spec.data, spec.seed)
-    _, accuracy = evaluate(model, torch.tensor(data.x_test), torch.tensor(data.y_test))
-    assert accuracy == result["final_accuracy"]
+    model = fedmq.load_model(result["model_path"])
+    x, y = TaskRuntime.for_job(spec).load_server_data(None)
+    with torch.no_grad():
+        accuracy = float((model(x).argmax(dim=1) == y).float().mean())
+    assert accuracy == pytest.approx(result["final"]["server.accuracy"], abs=1e-12)
 
 
-def test_a_users_plugin_model_dataset_and_trainer_run_end_to_end(settings: Settings) -> None:
-    spec = small_job(
-        model={"entrypoint": "examples.plugins.my_model:build", "options": {"width": 16}},
-        data={
-            "entrypoint": "examples.plugins.my_model:load",
-            "options": {"num_samples": 300, "num_classes": 3},
-            "partition": {"kind": "iid"},
-        },
-        train__entrypoint="examples.plugins.my_model:train",
-    )
+def test_a_users_task_with_its_own_train_runs_end_to_end(settings: Settings) -> None:
+    spec = small_job(task={"name": "examples.plugins.my_task:Blobs", "options": {"num_samples": 300}})
     result = run_job(spec, settings, idle_timeout=60)
     assert result["status"] == "completed"
-    assert result["final_accuracy"] > 0.8
+    assert result["final"]["server.accuracy"] > 0.8
 
 
 def test_a_failing_client_leaves_the_round_to_close_at_quorum(settings: Settings) -> None:
     spec = small_job(
-        clients__min_fit=4, train__entrypoint="tests.integration.train_plugins:failing", rounds=2
+        clients__min_fit=4, task__name="tests.integration.train_plugins:Failing", rounds=2
     )
-    data = load_dataset(spec.data, spec.seed)
-    parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
-    train_plugins.FAIL_SIZE[0] = len(parts[0])
+    train_plugins.FAIL_SIZE[0] = shard_size(spec, 0)
     try:
         result = run_job(spec, settings, idle_timeout=60)
     finally:
@@ -118,11 +106,9 @@ def test_a_failing_client_leaves_the_round_to_close_at_quorum(settings: Settings
 
 def test_a_round_below_quorum_fails_the_job_with_a_reason(settings: Settings) -> None:
     spec = small_job(
-        clients__min_fit=5, max_round_retries=1, train__entrypoint="tests.integration.train_plugins:failing"
+        clients__min_fit=5, max_round_retries=1, task__name="tests.integration.train_plugins:Failing"
     )
-    data = load_dataset(spec.data, spec.seed)
-    parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
-    train_plugins.FAIL_SIZE[0] = len(parts[0])
+    train_plugins.FAIL_SIZE[0] = shard_size(spec, 0)
     try:
         result = run_job(spec, settings, idle_timeout=60)
     finally:

@@ -24,8 +24,7 @@ from fedmq.common.checkpoint import load_state
 from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import ClientUpdate, JobEvent, to_wire
 from fedmq.common.settings import Settings
-from fedmq.common.workloads.datasets import load_dataset
-from fedmq.common.workloads.models import build_model
+from fedmq.common.task.runtime import TaskRuntime
 from fedmq.services.cli.embedded import run_job
 from fedmq.services.scheduler.sampling import sample_clients
 from tests.conftest import EmbeddedRuns, assert_bit_identical, assert_matches_reference, small_job
@@ -72,8 +71,7 @@ TO_AGGREGATOR = 11
 
 
 def hostile_messages(job_id: str, digest: str, spec: JobSpec, client: int) -> list[tuple[str, bytes, dict]]:
-    data = load_dataset(spec.data, spec.seed)
-    good = build_model(spec.model, data.input_shape, data.num_classes, spec.seed).state_dict()
+    good = TaskRuntime.for_job(spec).build_model().state_dict()
     name = next(iter(good))
 
     def update(**changes: Any) -> bytes:
@@ -88,7 +86,7 @@ def hostile_messages(job_id: str, digest: str, spec: JobSpec, client: int) -> li
     return [
         (topology.AGGREGATOR, b"\x00garbage\xff" * 10, {}),
         (topology.AGGREGATOR, valid[: len(valid) // 2], {}),
-        (topology.AGGREGATOR, to_wire_raw({"v": 1, "type": "client_update", "job_id": job_id}), {}),
+        (topology.AGGREGATOR, to_wire_raw({"v": 2, "type": "client_update", "job_id": job_id}), {}),
         (topology.AGGREGATOR, update(weights=wrong_shape), {}),
         (topology.AGGREGATOR, update(weights=with_nan), {}),
         (topology.AGGREGATOR, update(num_examples=-5), {}),
@@ -125,7 +123,7 @@ def publish_hostile(url: str, messages: list[tuple[str, bytes, dict]]) -> None:
 def test_hostile_input_is_refused_counted_and_changes_nothing(
     tmp_path: Path, embedded_runs: EmbeddedRuns
 ) -> None:
-    spec = small_job(rounds=3, train__entrypoint="tests.integration.train_plugins:gated")
+    spec = small_job(rounds=3, task__name="tests.integration.train_plugins:Gated")
     undisturbed = embedded_runs.weights(spec)
     last_client = max(sample_clients(spec.seed, 2, spec.clients.total, spec.clients.sampled))
     with fresh_vhost() as url:

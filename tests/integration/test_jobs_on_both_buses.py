@@ -8,10 +8,8 @@ from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
 from fedmq.common.messages import JobEvent
 from fedmq.common.settings import Settings
-from fedmq.common.workloads.datasets import load_dataset
-from fedmq.common.workloads.partition import partition
 from fedmq.services.cli.embedded import run_job
-from tests.conftest import EmbeddedRuns, assert_bit_identical, assert_matches_reference, small_job
+from tests.conftest import EmbeddedRuns, assert_bit_identical, assert_matches_reference, shard_size, small_job
 from tests.integration import train_plugins
 from tests.integration.conftest import Transport
 from tests.rabbit import fresh_vhost
@@ -41,10 +39,9 @@ def test_global_weights_cross_the_bus_once_per_learner_per_round(transport: Tran
 
 
 def test_a_failing_client_is_reported_and_the_round_closes_at_quorum(transport: Transport) -> None:
-    failing = "tests.integration.train_plugins:failing"
-    spec = small_job(clients__min_fit=4, rounds=2, train__entrypoint=failing)
-    data = load_dataset(spec.data, spec.seed)
-    train_plugins.FAIL_SIZE[0] = len(partition(data.y_train, 5, spec.data.partition, spec.seed)[0])
+    failing = "tests.integration.train_plugins:Failing"
+    spec = small_job(clients__min_fit=4, rounds=2, task__name=failing)
+    train_plugins.FAIL_SIZE[0] = shard_size(spec, 0)
     try:
         result = run_job(spec, transport.settings, connect=transport.connect, idle_timeout=60)
     finally:
@@ -57,7 +54,7 @@ def test_a_failing_client_is_reported_and_the_round_closes_at_quorum(transport: 
 def test_training_longer_than_three_heartbeats_keeps_the_connection(tmp_path) -> None:
     with fresh_vhost() as url:
         settings = Settings(broker_url=url, state_dir=tmp_path, heartbeat_s=1)
-        spec = small_job(clients__total=2, rounds=1, train__entrypoint="tests.integration.train_plugins:slow")
+        spec = small_job(clients__total=2, rounds=1, task__name="tests.integration.train_plugins:Slow")
         train_plugins.SECONDS[0] = 4.0  # > 3 heartbeat intervals of 1 s, per task
         try:
             result = run_job(spec, settings, connect=lambda name: RabbitBus(settings, name),
@@ -72,7 +69,7 @@ def test_training_longer_than_three_heartbeats_keeps_the_connection(tmp_path) ->
 def test_a_task_missing_near_the_deadline_is_sent_again_and_the_round_keeps_every_client(
     transport: Transport, embedded_runs: EmbeddedRuns,
 ) -> None:
-    spec = small_job(rounds=2, round_timeout_s=3, train__entrypoint="tests.integration.train_plugins:gated")
+    spec = small_job(rounds=2, round_timeout_s=3, task__name="tests.integration.train_plugins:Gated")
     undisturbed = embedded_runs.weights(spec)  # before the gate: this run must not wait on it
     # The first attempt at client 0's round 1 hangs until that round has closed without it.
     hung = train_plugins.gate(spec.seed, 1, 0)

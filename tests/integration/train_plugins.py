@@ -1,9 +1,10 @@
-"""Local training functions that misbehave on purpose, for tests of the round policy.
+"""Tasks that misbehave on purpose, for tests of the round policy: the digits Task with a
+`train` that fails, waits or is gated before it runs fedmq's own loop.
 
-Each wraps fedmq's own trainer; module-level knobs say when to misbehave (set by a test).
-`gated` makes one client's training in one round wait for an event the test sets, so a test
-orders what happens around it by events, never by how long something takes. In a learner
-process (tests/e2e) FEDMQ_TEST_TRAIN_GATE names a file: every training waits until it exists.
+Module-level knobs say when to misbehave (set by a test). `Gated` makes one client's
+training in one round wait for an event the test sets, so a test orders what happens around
+it by events, never by how long something takes. In a learner process (tests/e2e)
+FEDMQ_TEST_TRAIN_GATE names a file: every training waits until it exists.
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-import torch
 from torch import nn
 
-from fedmq.common.jobspec import TrainSpec
+import fedmq
 from fedmq.common.seeding import derive_seed
-from fedmq.services.learner.training import train_local
+from fedmq.common.task.loop import train_with_loss
+from fedmq.tasks.digits import Digits
 
-FAIL_SIZE = [-1]  # `failing`: the shard size to fail on
-SECONDS = [0.0]  # `slow`: seconds to sleep before training (a duration to outlast, not an order)
+FAIL_SIZE = [-1]  # `Failing`: the shard size to fail on
+SECONDS = [0.0]  # `Slow`: seconds to sleep before training (a duration to outlast, not an order)
 GATE_TIMEOUT_S = 120.0  # long enough for any loaded machine; a bug fails here rather than hangs
 _gates: dict[int, threading.Event] = {}  # by the seed of the training generator: (job seed, round, client)
 _made: list[threading.Event] = []
@@ -37,40 +39,40 @@ def gate(seed: int, server_round: int, client: int) -> threading.Event:
     return event
 
 
-def failing(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainSpec,
-    generator: torch.Generator, device: torch.device,
-) -> dict[str, float]:
-    if len(x) == FAIL_SIZE[0]:
-        raise RuntimeError("simulated out-of-memory on this client")
-    return train_local(model, x, y, train, generator, device)
+class Failing(Digits):
+    """Raises in training on the client whose shard has FAIL_SIZE examples."""
+
+    def train(self, model: nn.Module, data: Any, ctx: fedmq.TrainContext) -> fedmq.TrainResult:
+        if len(data[1]) == FAIL_SIZE[0]:
+            raise RuntimeError("simulated out-of-memory on this client")
+        return train_with_loss(self, model, data, ctx)
 
 
-def slow(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainSpec,
-    generator: torch.Generator, device: torch.device,
-) -> dict[str, float]:
-    time.sleep(SECONDS[0])
-    return train_local(model, x, y, train, generator, device)
+class Slow(Digits):
+    """Sleeps SECONDS before training."""
+
+    def train(self, model: nn.Module, data: Any, ctx: fedmq.TrainContext) -> fedmq.TrainResult:
+        time.sleep(SECONDS[0])
+        return train_with_loss(self, model, data, ctx)
 
 
-def gated(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainSpec,
-    generator: torch.Generator, device: torch.device,
-) -> dict[str, float]:
-    # The learner seeds the generator from (job seed, round, client): it names this training.
-    with _lock:
-        event = _gates.pop(generator.initial_seed(), None)  # a second attempt does not wait
-    if event is not None and not event.wait(GATE_TIMEOUT_S):
-        raise RuntimeError(f"the test never opened this training's gate in {GATE_TIMEOUT_S:.0f} s")
-    gate_file = os.environ.get("FEDMQ_TEST_TRAIN_GATE")
-    if gate_file:
-        deadline = time.monotonic() + GATE_TIMEOUT_S
-        while not Path(gate_file).exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{gate_file} did not appear in {GATE_TIMEOUT_S:.0f} s")
-            time.sleep(0.05)
-    return train_local(model, x, y, train, generator, device)
+class Gated(Digits):
+    """Waits for the gate of its (round, client), if a test made one (see the module docstring)."""
+
+    def train(self, model: nn.Module, data: Any, ctx: fedmq.TrainContext) -> fedmq.TrainResult:
+        # The learner seeds the generator from (job seed, round, client): it names this training.
+        with _lock:
+            event = _gates.pop(ctx.generator.initial_seed(), None)  # a second attempt does not wait
+        if event is not None and not event.wait(GATE_TIMEOUT_S):
+            raise RuntimeError(f"the test never opened this training's gate in {GATE_TIMEOUT_S:.0f} s")
+        gate_file = os.environ.get("FEDMQ_TEST_TRAIN_GATE")
+        if gate_file:
+            deadline = time.monotonic() + GATE_TIMEOUT_S
+            while not Path(gate_file).exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{gate_file} did not appear in {GATE_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+        return train_with_loss(self, model, data, ctx)
 
 
 def reset() -> None:

@@ -462,7 +462,8 @@ def test_dashboard_is_a_grafana_dashboard(dashboard: dict[str, Any]) -> None:
 def test_dashboard_has_the_panels_the_deployment_promises(dashboard: dict[str, Any]) -> None:
     exprs = "\n".join(_exprs(dashboard))
     for needed in (
-        'fedmq_global_accuracy_ratio{fl_job=~"$fl_job"}', 'fedmq_global_loss{fl_job=~"$fl_job"}',
+        'fedmq_round_metric{fl_job=~"$fl_job", source=~"server|federated"}',
+        'fedmq_round_metric{fl_job=~"$fl_job", source=~"train|strategy"}',
         "fedmq_job_round", "rate(fedmq_rounds_completed_total",
         "histogram_quantile(0.9, sum by (le) (rate(fedmq_round_duration_seconds_bucket",
         "fedmq_updates_accepted_total", "sum by (reason) (rate(fedmq_updates_rejected_total",

@@ -9,11 +9,10 @@ import pytest
 
 from fedmq.common.errors import ConfigError
 from fedmq.common.jobspec import (
-    DirichletPartition,
     FedAvgMStrategy,
     FedAvgStrategy,
     JobSpec,
-    ShardsPartition,
+    TaskSpec,
     load_job,
     parse_job,
 )
@@ -53,14 +52,14 @@ def test_every_shipped_example_loads(example: str) -> None:
 def test_digits_100_example_samples_10_of_100_with_quorum_8() -> None:
     spec = load_job(EXAMPLES / "digits-100.yaml")
     assert (spec.clients.total, spec.clients.sampled, spec.clients.quorum) == (100, 10, 8)
-    assert spec.data.partition == DirichletPartition(alpha=0.5)
+    assert spec.task.options["partition"] == {"kind": "dirichlet", "alpha": 0.5}
     assert spec.strategy == FedAvgStrategy()
 
 
 def test_digits_shards_example_uses_shards_and_fedavgm() -> None:
     spec = load_job(EXAMPLES / "digits-shards.yaml")
-    assert spec.model.name == "cnn"
-    assert spec.data.partition == ShardsPartition(shards_per_client=2)
+    assert spec.task.options["model"]["name"] == "cnn"
+    assert spec.task.options["partition"] == {"kind": "shards", "shards_per_client": 2}
     assert spec.strategy == FedAvgMStrategy(server_lr=1.0, server_momentum=0.5)
     assert spec.train.momentum == 0.5
 
@@ -68,9 +67,10 @@ def test_digits_shards_example_uses_shards_and_fedavgm() -> None:
 def test_a_minimal_spec_gets_the_documented_defaults() -> None:
     spec = parse_job(minimal())
     assert spec.seed == 0
-    assert spec.model.name == "mlp"
-    assert spec.data.partition == DirichletPartition()
+    assert spec.task == TaskSpec(name="digits", options={})
     assert spec.strategy == FedAvgStrategy()
+    assert spec.evaluate.every == 1 and spec.evaluate.server and spec.evaluate.federated is None
+    assert spec.objective is None
     assert spec.train.epochs == 1 and spec.train.lr == 0.05
     assert spec.max_round_retries == 2
 
@@ -111,9 +111,44 @@ def test_overrides_are_validated_like_the_file(tmp_path: Path) -> None:
         load_job(EXAMPLES / "digits.yaml", overrides={"train.lr": -1.0})
 
 
-def test_a_user_model_entrypoint_alone_is_accepted() -> None:
-    spec = parse_job(minimal(model={"entrypoint": "examples.plugins.my_model:build"}))
-    assert spec.model.entrypoint == "examples.plugins.my_model:build"
+def test_a_task_is_named_by_builtin_name_or_reference_with_options() -> None:
+    assert parse_job(minimal(task="digits")).task == TaskSpec(name="digits")
+    spec = parse_job(minimal(task={"name": "my_pkg.tasks:Speech", "options": {"n_mels": 40}}))
+    assert spec.task == TaskSpec(name="my_pkg.tasks:Speech", options={"n_mels": 40})
+
+
+def test_specs_written_before_tasks_name_the_digits_tasks_options() -> None:
+    spec = parse_job(minimal(
+        model={"name": "cnn", "channels": [8]},
+        data={"name": "digits", "test_fraction": 0.3, "partition": {"kind": "iid"}},
+    ))
+    assert spec.task == TaskSpec(name="digits", options={
+        "model": {"name": "cnn", "channels": [8]}, "test_fraction": 0.3, "partition": {"kind": "iid"},
+    })
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"model": {"entrypoint": "examples.plugins.my_model:build"}},
+        {"data": {"entrypoint": "pkg.mod:load"}},
+        {"train": {"entrypoint": "pkg.mod:train"}},
+    ],
+)
+def test_old_plugin_entrypoints_fail_with_the_task_that_replaces_them(section: dict[str, Any]) -> None:
+    message = refusal(minimal(**section))
+    assert "replaced by" in message and "task: {name:" in message and "examples/plugins/my_task.py" in message
+
+
+def test_evaluation_and_the_objective_are_spelt_out() -> None:
+    spec = parse_job(minimal(
+        evaluate={"every": 2, "server": False, "federated": {"clients": 3, "min": 2}},
+        objective={"metric": "federated.loss", "mode": "min"},
+    ))
+    assert spec.evaluate.federated is not None and spec.evaluate.federated.quorum == 2
+    assert [r for r in range(1, 3) if spec.evaluates(r)] == [2]
+    assert spec.objective is not None and spec.objective.metric == "federated.loss"
+    assert "objective.metric: String should match pattern" in refusal(minimal(objective={"metric": "acc"}))
 
 
 # --- refusals --------------------------------------------------------------------------------
@@ -122,7 +157,7 @@ def test_a_user_model_entrypoint_alone_is_accepted() -> None:
 def test_a_misspelt_top_level_key_is_refused_with_a_suggestion() -> None:
     message = refusal(minimal(trian={"lr": 0.1}))
     assert "  - trian: unknown key; did you mean 'train'?" in message
-    assert "allowed: name, seed, model, data, clients, rounds, train" in message
+    assert "allowed: name, seed, task, clients, rounds, train, evaluate, objective" in message
 
 
 def test_a_misspelt_nested_key_names_its_dotted_path_and_suggests_the_right_key() -> None:
@@ -171,16 +206,6 @@ def test_zero_clients_are_refused() -> None:
     assert "clients.total: Input should be greater than 0" in refusal(minimal(clients={"total": 0}))
 
 
-def test_an_unknown_partition_kind_names_data_partition_and_lists_allowed_kinds() -> None:
-    message = refusal(minimal(data={"partition": {"kind": "zipf"}}))
-    assert "  - data.partition: unknown kind" in message
-    assert "allowed: 'iid', 'dirichlet', 'shards'" in message
-
-
-def test_an_unknown_partition_kind_is_quoted_as_written() -> None:
-    assert "unknown kind 'zipf';" in refusal(minimal(data={"partition": {"kind": "zipf"}}))
-
-
 def test_an_unknown_strategy_name_names_strategy_and_lists_allowed_names() -> None:
     message = refusal(minimal(strategy={"name": "fedprox"}))
     assert "  - strategy: unknown kind" in message
@@ -188,25 +213,15 @@ def test_an_unknown_strategy_name_names_strategy_and_lists_allowed_names() -> No
     assert "allowed: 'fedavg', 'average', 'fedavgm'" in message
 
 
-def test_a_bad_field_inside_a_partition_drops_the_union_tag_from_the_path() -> None:
-    message = refusal(minimal(data={"partition": {"kind": "dirichlet", "alpha": 0}}))
-    assert "  - data.partition.alpha: Input should be greater than 0" in message
-
-
 def test_a_bad_server_momentum_names_strategy_server_momentum() -> None:
     message = refusal(minimal(strategy={"name": "fedavgm", "server_momentum": 1.0}))
     assert "  - strategy.server_momentum: Input should be less than 1" in message
 
 
-def test_an_unknown_key_inside_a_partition_names_its_path() -> None:
-    message = refusal(minimal(data={"partition": {"kind": "dirichlet", "alpah": 1.0}}))
-    assert "  - data.partition.alpah: unknown key" in message
-
-
 @pytest.mark.parametrize(
     ("section", "expected"),
     [
-        ({"data": {"partition": {"kind": "dirichlet", "alpah": 1.0}}}, "did you mean 'alpha'?"),
+        ({"evaluate": {"federated": {"client": 3}}}, "did you mean 'clients'?"),
         ({"strategy": {"name": "fedavgm", "server_lr2": 1.0}}, "did you mean 'server_lr'?"),
     ],
 )
@@ -220,29 +235,13 @@ def test_an_unknown_key_spelt_like_a_union_tag_keeps_its_name_in_the_path() -> N
     assert "  - train.average: unknown key" in refusal(minimal(train={"average": 1}))
 
 
-def test_an_unknown_model_name_lists_the_allowed_names_and_the_input() -> None:
-    message = refusal(minimal(model={"name": "resnet"}))
-    assert "model.name: Input should be 'mlp' or 'cnn' (got 'resnet')" in message
-
-
 def test_an_unknown_optimizer_lists_the_allowed_names() -> None:
     message = refusal(minimal(train={"optimizer": "rmsprop"}))
     assert "train.optimizer: Input should be 'sgd' or 'adam' (got 'rmsprop')" in message
 
 
-def test_model_name_and_entrypoint_together_are_refused() -> None:
-    message = refusal(minimal(model={"name": "mlp", "entrypoint": "pkg.mod:build"}))
-    assert "model: Value error, give either 'name' or 'entrypoint', not both" in message
-
-
-def test_data_name_and_entrypoint_together_are_refused() -> None:
-    message = refusal(minimal(data={"name": "digits", "entrypoint": "pkg.mod:load"}))
-    assert "data: Value error, give either 'name' or 'entrypoint', not both" in message
-
-
-def test_a_malformed_entrypoint_is_refused() -> None:
-    message = refusal(minimal(model={"entrypoint": "not an entrypoint"}))
-    assert "model.entrypoint: String should match pattern" in message
+def test_a_malformed_task_reference_is_refused() -> None:
+    assert "task.name: String should match pattern" in refusal(minimal(task="not a task"))
 
 
 @pytest.mark.parametrize(
@@ -252,8 +251,7 @@ def test_a_malformed_entrypoint_is_refused() -> None:
         ({"seed": 1.5}, "  - seed: Input should be a valid integer"),
         ({"train": {"lr": "fast"}}, "  - train.lr: Input should be a valid number"),
         ({"clients": [4]}, "  - clients: Input should be a valid dictionary"),
-        ({"model": {"hidden": "128"}}, "  - model.hidden: Input should be a valid list"),
-        ({"model": {"hidden": [128, 0]}}, "  - model.hidden.1: Input should be greater than 0"),
+        ({"task": {"name": "digits", "options": [1]}}, "  - task.options: Input should be a valid dictionary"),
         ({"name": ["a"]}, "  - name: Input should be a valid string"),
     ],
 )

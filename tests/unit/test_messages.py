@@ -21,6 +21,8 @@ from fedmq.common.messages import (
     AnyMessage,
     ClientFailure,
     ClientUpdate,
+    EvalReport,
+    EvalTask,
     Heartbeat,
     JobCancel,
     JobCreate,
@@ -65,6 +67,13 @@ SAMPLES: dict[str, Message] = {
     "train_task": TrainTask(
         job_id="j1", task_id="j1:3:4", round=3, client=4, model_digest="ab" * 32, spec=SPEC
     ),
+    "eval_task": EvalTask(
+        job_id="j1", task_id="j1:e3:4", round=3, client=4, model_digest="ab" * 32, spec=SPEC
+    ),
+    "eval_report": EvalReport(
+        job_id="j1", task_id="j1:e3:4", round=3, client=4, num_examples=30,
+        metrics={"perplexity": 3.5}, reduction={"perplexity": "geometric"}, learner="learner-1",
+    ),
     "client_update": ClientUpdate(
         job_id="j1",
         task_id="j1:3:4",
@@ -89,9 +98,7 @@ SAMPLES: dict[str, Message] = {
         model_digest="cd" * 32,
         clients=[0, 9],
         num_examples=240,
-        test_loss=0.3,
-        test_accuracy=0.9,
-        train_loss=0.25,
+        metrics={"server": {"loss": 0.3, "accuracy": 0.9}, "train": {"loss": 0.25}},
         aggregate_seconds=0.01,
         model_path="/tmp/model.safetensors",
     ),
@@ -237,7 +244,9 @@ def test_an_extra_field_is_a_decode_error() -> None:
         ("client_update", "weights", {1: torch.ones(1)}),
         ("job_event", "kind", "exploded"),
         ("job_submit", "spec", "name: job"),
-        ("round_closed", "test_accuracy", None),
+        ("round_closed", "metrics", {"server": {"accuracy": "high"}}),
+        ("round_closed", "metrics", {"server": 0.9}),
+        ("eval_report", "reduction", {"ppl": "median"}),
     ],
 )
 def test_a_field_of_the_wrong_type_is_a_decode_error(kind: str, field: str, value: Any) -> None:
@@ -245,16 +254,16 @@ def test_a_field_of_the_wrong_type_is_a_decode_error(kind: str, field: str, valu
     assert message.startswith(f"schema: {kind}.{field}")
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None, [1]])
+@pytest.mark.parametrize("version", [0, 1, 3, "2", None, [2]])
 def test_a_wrong_schema_version_is_a_decode_error(version: Any) -> None:
     message = refusal({**raw_of(SAMPLES["job_failed"]), "v": version})
-    assert message == f"unsupported schema version {version!r} (this build reads 1)"
+    assert message == f"unsupported schema version {version!r} (this build reads 2)"
 
 
 def test_a_missing_schema_version_is_a_decode_error() -> None:
     raw = raw_of(SAMPLES["job_failed"])
     del raw["v"]
-    assert refusal(raw) == "unsupported schema version None (this build reads 1)"
+    assert refusal(raw) == "unsupported schema version None (this build reads 2)"
 
 
 @pytest.mark.parametrize("version", [torch.ones(2), torch.zeros(0)], ids=["two", "empty"])

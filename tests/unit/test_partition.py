@@ -8,8 +8,14 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fedmq.common.errors import ConfigError
-from fedmq.common.jobspec import DirichletPartition, IidPartition, ShardsPartition
-from fedmq.common.workloads.partition import PartitionSpec, label_skew, partition
+from fedmq.data import (
+    DirichletPartition,
+    IidPartition,
+    PartitionSpec,
+    ShardsPartition,
+    label_skew,
+    partition,
+)
 
 
 @pytest.fixture(scope="module")
