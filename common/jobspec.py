@@ -29,7 +29,14 @@ class TaskSpec(Spec):
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, data: Any) -> Any:
-        return {"name": data} if isinstance(data, str) else data
+        """`task: digits`, and from Python a Task class itself (`task=MyTask`)."""
+        if isinstance(data, str | type):
+            data = {"name": data}
+        if isinstance(data, dict) and isinstance(data.get("name"), type):
+            from fedmq.common.task.loading import ref_of
+
+            data = {**data, "name": ref_of(data["name"])}
+        return data
 
 
 class ClientsSpec(Spec):
@@ -132,6 +139,14 @@ class JobSpec(Spec):
     max_round_retries: int = Field(2, ge=0)
 
     _legacy = model_validator(mode="before")(lambda data: legacy_workload(data))
+
+    def with_changes(self, **changes: Any) -> JobSpec:
+        """A copy with top-level fields replaced; a dict merges into the section it names."""
+        raw = self.model_dump(mode="json")
+        for key, value in changes.items():
+            current = raw.get(key)
+            raw[key] = {**current, **value} if isinstance(value, dict) and isinstance(current, dict) else value
+        return type(self).model_validate(raw)
 
     def evaluates(self, server_round: int) -> bool:
         """Whether the global model of this round is evaluated (round 0 is the initial model)."""
@@ -266,9 +281,9 @@ def _resolve(loc: tuple[int | str, ...]) -> tuple[list[str], type[BaseModel] | N
         field = section.model_fields.get(str(part)) if section is not None else None
         annotation = field.annotation if field is not None else None
         # An optional section (`X | None`) is the section X.
-        members = [a for a in get_args(annotation) if a is not type(None)] if get_args(annotation) else []
-        if len(members) == 1:
-            annotation = members[0]
+        options = [a for a in get_args(annotation) if a is not type(None)]
+        if len(options) == 1:
+            annotation = options[0]
         is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
         section = annotation if is_model else None  # type: ignore[assignment]
         i += 1

@@ -106,6 +106,7 @@ class ClientUpdate(Message):
     metrics: dict[str, float] = {}
     train_seconds: float = 0.0
     fetch_seconds: float = 0.0  # time spent getting the round's global model
+    fetch_bytes: NonNegativeInt = 0  # its size, when it was fetched for this task (not cached)
     learner: str = ""
     weights: dict[str, Any]
 
@@ -145,6 +146,7 @@ class UpdateAccepted(Message):
     metrics: dict[str, float] = {}
     train_seconds: float = 0.0
     fetch_seconds: float = 0.0
+    fetch_bytes: NonNegativeInt = 0
     bytes: NonNegativeInt = 0  # the update's size on the wire
 
 

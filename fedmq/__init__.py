@@ -13,6 +13,8 @@ settings, messages, codec, bus, job spec, the Task machinery) and `fedmq.service
 (scheduler, aggregator, learner, CLI). Importing `fedmq` does not import torch.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from fedmq.common.task.contract import (
     ClientData,
     DataContext,
@@ -27,6 +29,33 @@ from fedmq.common.task.contract import (
 
 __version__ = "0.2.0"
 
+# Loaded on first use, so that `import fedmq` stays light (no torch, no services).
+_LAZY = {
+    "Job": ("fedmq.common.jobspec", "JobSpec"),
+    "run": ("fedmq.services.api.runner", "run"),
+    "Runner": ("fedmq.services.api.runner", "Runner"),
+    "Callback": ("fedmq.services.api.runner", "Callback"),
+    "Result": ("fedmq.services.api.result", "Result"),
+    "RoundRecord": ("fedmq.services.api.result", "RoundRecord"),
+    "SyncStats": ("fedmq.services.api.result", "SyncStats"),
+}
+
+if TYPE_CHECKING:
+    from fedmq.common.jobspec import JobSpec as Job
+    from fedmq.services.api.result import Result, RoundRecord, SyncStats
+    from fedmq.services.api.runner import Callback, Runner, run
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fedmq' has no attribute {name!r}")
+
 
 def load_model(path: str) -> object:
     """A saved model file as an `nn.Module` in eval mode, rebuilt by its job's Task (safetensors)."""
@@ -36,7 +65,14 @@ def load_model(path: str) -> object:
 
 
 __all__ = [
+    "Callback",
     "ClientData",
+    "Job",
+    "Result",
+    "RoundRecord",
+    "Runner",
+    "SyncStats",
+    "run",
     "DataContext",
     "EvalContext",
     "EvalResult",

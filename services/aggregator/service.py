@@ -154,8 +154,9 @@ class AggregatorService:
         if msg.base_digest != job.digest:
             raise ValidationError("stale_model", "trained on another round's weights")
         check_update(msg, job.weights)
+        size = delivery.body_path.stat().st_size if delivery.body_path is not None else len(delivery.body)
         job.store.put_update(msg.round, msg.client, delivery.body_path or delivery.body)
-        self._accepted(msg)
+        self._accepted(msg, size)
         self.metrics.updates_accepted.inc()
         log.info("update_accepted", examples=msg.num_examples, learner=msg.learner)
 
@@ -175,10 +176,11 @@ class AggregatorService:
 
     # -- replies --------------------------------------------------------------
 
-    def _accepted(self, msg: ClientUpdate) -> None:
+    def _accepted(self, msg: ClientUpdate, size: int = 0) -> None:
         self._publish(UpdateAccepted(
-            job_id=msg.job_id, round=msg.round, client=msg.client,
-            num_examples=msg.num_examples, metrics=msg.metrics,
+            job_id=msg.job_id, round=msg.round, client=msg.client, num_examples=msg.num_examples,
+            metrics=msg.metrics, train_seconds=msg.train_seconds, fetch_seconds=msg.fetch_seconds,
+            fetch_bytes=msg.fetch_bytes, bytes=size,
         ))
 
     def _report(self, job: AggJob, closed: RoundClosed, seconds: float) -> None:

@@ -9,7 +9,6 @@ import torch
 from fedmq.common.errors import ValidationError
 from fedmq.common.messages import ClientUpdate
 
-
 MAX_EXAMPLES = 2**53  # an example count must at least be a count a float can weigh exactly
 
 

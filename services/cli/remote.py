@@ -61,6 +61,17 @@ class Remote:
         except DecodeError as exc:
             raise SchedulerSilent(f"unreadable answer from the scheduler: {exc}") from None
 
+    def model(self, job_id: str, digest: str) -> dict[str, Any]:
+        """A job's global weights by digest, from the aggregator (the same request learners make)."""
+        from fedmq.common.messages import ModelGet, ModelReply
+
+        request = to_wire(ModelGet(job_id=job_id, digest=digest))
+        body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
+        reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ModelReply)
+        if reply.error or reply.weights is None:
+            raise FedmqError(f"the aggregator has no model {digest[:12]} of job {job_id}: {reply.error}")
+        return dict(reply.weights)
+
     def follow(self, job_id: str) -> JobFollower:
         """Events of one job, subscribed on this connection (started before anything is asked)."""
         return JobFollower(self.bus, job_id).attach()

@@ -150,14 +150,14 @@ class LearnerService:
         )
         return topology.SCHEDULER, to_wire(failure)
 
-    def _fetch(self, job_id: str, digest: str) -> dict[str, torch.Tensor]:
-        """A global model from the aggregator, by digest (request/reply over the bus)."""
+    def _fetch(self, job_id: str, digest: str) -> tuple[dict[str, torch.Tensor], int]:
+        """A global model from the aggregator by digest (request/reply over the bus), and its size."""
         request = to_wire(ModelGet(job_id=job_id, digest=digest))
         body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
         reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ModelReply)
         if reply.error or reply.weights is None:
             raise FedmqError(f"model {digest[:12]} unavailable: {reply.error}")
-        return dict(reply.weights)
+        return dict(reply.weights), len(body)
 
 
 def _task(msg: Message) -> Task:

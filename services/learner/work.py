@@ -33,7 +33,7 @@ log = structlog.get_logger("fedmq.learner")
 MODEL_CACHE = 2  # the current round's weights, and the previous one for stragglers
 JOB_CACHE = 4  # jobs whose Task and model a learner keeps between tasks
 
-Fetch = Callable[[str, str], dict[str, torch.Tensor]]  # (job id, digest) -> global weights
+Fetch = Callable[[str, str], tuple[dict[str, torch.Tensor], int]]  # (job id, digest) -> (weights, bytes)
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Work:
     def train(self, task: TrainTask) -> ClientUpdate:
         job = self._job(task.job_id, task.spec)
         started = time.perf_counter()
-        weights = self._weights(task.job_id, task.model_digest)
+        weights, fetch_bytes = self._weights(task.job_id, task.model_digest)
         fetched = time.perf_counter()
         data = self._client_data(job, task.job_id, task.client)
         job.model.load_state_dict(weights)
@@ -113,12 +113,13 @@ class Work:
         return ClientUpdate(
             job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
             base_digest=task.model_digest, num_examples=result.num_examples, metrics=dict(result.metrics),
-            train_seconds=seconds, fetch_seconds=fetched - started, learner=self.name, weights=state,
+            train_seconds=seconds, fetch_seconds=fetched - started, fetch_bytes=fetch_bytes,
+            learner=self.name, weights=state,
         )
 
     def evaluate(self, task: EvalTask) -> EvalReport:
         job = self._job(task.job_id, task.spec)
-        weights = self._weights(task.job_id, task.model_digest)
+        weights, _ = self._weights(task.job_id, task.model_digest)
         data = self._client_data(job, task.job_id, task.client)
         job.model.load_state_dict(weights)
         report = EvalReport(job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
@@ -151,16 +152,16 @@ class Work:
         data_dir = self.settings.data_dir
         return self.data.get(job_id, client, lambda: job.runtime.load_data(client, data_dir))
 
-    def _weights(self, job_id: str, digest: str) -> dict[str, torch.Tensor]:
-        """The round's global model: from the cache by digest, else fetched once."""
+    def _weights(self, job_id: str, digest: str) -> tuple[dict[str, torch.Tensor], int]:
+        """The round's global model, and the bytes it took: from the cache by digest (0), else fetched."""
         weights = self._models.get(digest)
         if weights is not None:
             self._models.move_to_end(digest)
-            return weights
-        weights = self.fetch(job_id, digest)
+            return weights, 0
+        weights, size = self.fetch(job_id, digest)
         self.fetches += 1
         self.metrics.model_fetches.inc()
         self._models[digest] = weights
         while len(self._models) > MODEL_CACHE:
             self._models.popitem(last=False)
-        return weights
+        return weights, size

@@ -42,7 +42,13 @@ from fedmq.common.messages import (
 )
 from fedmq.common.metrics import Metrics, reason_label
 from fedmq.common.settings import Settings
-from fedmq.services.scheduler.evaluation import better, combine_reports, eval_clients, federated_due, round_record
+from fedmq.services.scheduler.evaluation import (
+    better,
+    combine_reports,
+    eval_clients,
+    federated_due,
+    round_record,
+)
 from fedmq.services.scheduler.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, SchedJob
 from fedmq.services.scheduler.registry import Registry
 from fedmq.services.scheduler.rounds import Decision, RoundState
@@ -153,7 +159,7 @@ class SchedulerService:
             case UpdateAccepted():
                 if job.state and job.state.round == msg.round and job.state.record_update(msg.client, msg.num_examples):
                     for key, value in (("train_seconds", msg.train_seconds), ("fetch_seconds", msg.fetch_seconds),
-                                       ("bytes_up", msg.bytes)):
+                                       ("bytes_up", msg.bytes), ("bytes_down", msg.fetch_bytes)):
                         job.sync[key] = job.sync.get(key, 0.0) + value
                     self._advance(job)
             case EvalReport():

@@ -1,0 +1,231 @@
+"""The Python API: run a job in this process or on a RabbitMQ cluster with the same call.
+
+    import fedmq
+
+    job = fedmq.Job(name="digits", task="digits", clients={"total": 10}, rounds=20)
+    result = fedmq.run(job)                                   # in this process, no broker
+    result = fedmq.run(job, broker="amqp://user:pw@host/vh")  # on a cluster's services
+
+    with fedmq.Runner() as runner:                            # services kept up between jobs
+        for lr in (0.01, 0.05):
+            results.append(runner.run(job.with_changes(train={"lr": lr}), callbacks=[Printer()]))
+
+Callbacks follow the job as it goes (seed 002's hook names, a round standing for an epoch).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from fedmq.common.bus import topology
+from fedmq.common.errors import ConfigError
+from fedmq.common.jobspec import JobSpec
+from fedmq.common.messages import JobEvent, JobSubmit, to_wire
+from fedmq.common.settings import Settings
+from fedmq.common.task.loading import complete_spec
+from fedmq.services.api.result import Result, RoundRecord
+from fedmq.services.cli.follow import TERMINAL, JobFollower
+
+if TYPE_CHECKING:
+    import torch
+
+    from fedmq.services.cli.embedded import EmbeddedCluster
+    from fedmq.services.cli.remote import Remote
+
+QUIET_S = 15.0  # on a cluster, with no event for this long, ask the scheduler how the job stands
+
+
+class Callback:
+    """Override what you need; each hook runs in the thread that called `run`."""
+
+    def on_train_start(self, job: JobSpec, job_id: str) -> None:
+        """The scheduler accepted the job."""
+
+    def on_round_start(self, round: int) -> None:
+        """A training round was opened (its clients' tasks are out)."""
+
+    def on_round_end(self, round: int, record: RoundRecord) -> None:
+        """A round's record is complete: its metrics of every source (round 0: the initial model)."""
+
+    def on_train_end(self, result: Result) -> None:
+        """The job ended: completed, failed or cancelled (`result.status`)."""
+
+
+class Runner:
+    """fedmq's services for this program: embedded (no broker) or a cluster's, over RabbitMQ."""
+
+    def __init__(
+        self,
+        broker: str | None = None,
+        *,
+        learners: int = 1,
+        state_dir: str | Path | None = None,
+        settings: Settings | None = None,
+        log_level: str = "warning",
+    ) -> None:
+        from fedmq.common.logging import configure_logging
+
+        configure_logging("auto", log_level)  # the services log at info: too much for a program
+        overrides: dict[str, Any] = {}
+        if broker is not None:
+            overrides["broker_url"] = broker
+        if state_dir is not None:
+            overrides["state_dir"] = Path(state_dir)
+        base = settings or Settings()
+        self.settings = base.model_copy(update=overrides) if overrides else base
+        self.remote_mode = broker is not None
+        self.learners = learners
+        self._cluster: EmbeddedCluster | None = None
+        self._remote: Remote | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Runner:
+        if self.remote_mode:
+            from fedmq.services.cli.remote import Remote
+
+            self._remote = Remote(self.settings).__enter__()
+        else:
+            from fedmq.services.cli.embedded import EmbeddedCluster
+
+            self._cluster = EmbeddedCluster(self.settings, learners=self.learners).__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the embedded services, or disconnect from the cluster."""
+        if self._cluster is not None:
+            self._cluster.__exit__(None, None, None)
+            self._cluster = None
+        if self._remote is not None:
+            self._remote.__exit__(None, None, None)
+            self._remote = None
+
+    def run(
+        self,
+        job: JobSpec | Mapping[str, Any],
+        *,
+        callbacks: Iterable[Callback] = (),
+        timeout: float | None = None,
+    ) -> Result:
+        """Submit `job`, follow it to its end calling `callbacks`, and return its Result.
+
+        The spec is checked first (its Task is imported and its options validated): a bad
+        one raises ConfigError here. `timeout` bounds the silence between two events.
+        """
+        if self._cluster is None and self._remote is None:
+            raise RuntimeError("use the Runner as a context manager (with fedmq.Runner() as runner: ...)")
+        spec = complete_spec(job if isinstance(job, JobSpec) else JobSpec.model_validate(job))
+        if self.remote_mode and spec.task.name.startswith("__main__:"):
+            raise ConfigError(
+                f"task {spec.task.name!r} lives in the running script and the cluster's services cannot "
+                "import it: move the Task class to a module they can import"
+            )
+        from fedmq.services.cli.embedded import new_job_id
+
+        job_id = new_job_id(spec)
+        hooks = list(callbacks)
+        with self._lock:  # one job at a time per Runner: its events and callbacks stay in order
+            follower = self._follower(job_id)
+            try:
+                submit = JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json"))
+                follower.bus.publish(topology.SCHEDULER, to_wire(submit))
+                raw_history, final = self._follow(follower, spec, job_id, hooks, timeout)
+            finally:
+                if self._cluster is not None:
+                    follower.close()
+        result = Result(
+            job_id=job_id, spec=spec, status=str(final.get("status", "unknown")),
+            reason=str(final.get("reason") or ""), history=[RoundRecord.of(h) for h in raw_history],
+            best=final.get("best"), model_path=final.get("model_path"), _fetch=self._fetcher(job_id),
+        )
+        for hook in hooks:
+            hook.on_train_end(result)
+        return result
+
+    def _follower(self, job_id: str) -> JobFollower:
+        if self._cluster is not None:
+            return JobFollower(self._cluster.connect("api"), job_id).start()
+        assert self._remote is not None
+        return self._remote.follow(job_id)
+
+    def _follow(
+        self, follower: JobFollower, spec: JobSpec, job_id: str, hooks: list[Callback], timeout: float | None
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        history: dict[int, dict[str, Any]] = {}
+        final: dict[str, Any] = {}
+        while not final:
+            try:
+                for event in follower.events(idle_timeout=QUIET_S if self._remote is not None else timeout):
+                    final = self._on_event(event, spec, job_id, hooks, history)
+            except TimeoutError:
+                if self._remote is None:
+                    raise
+                final = self._catch_up(job_id, history)  # events are best effort across reconnects
+        return [history[r] for r in sorted(history)], final
+
+    @staticmethod
+    def _on_event(
+        event: JobEvent, spec: JobSpec, job_id: str, hooks: list[Callback], history: dict[int, dict[str, Any]]
+    ) -> dict[str, Any]:
+        for hook in hooks:
+            if event.kind == "accepted":
+                hook.on_train_start(spec, job_id)
+            elif event.kind == "round_started" and event.round is not None:
+                hook.on_round_start(event.round)
+        if event.kind == "round_completed" and event.round is not None:
+            history[event.round] = dict(event.data)
+            for hook in hooks:
+                hook.on_round_end(event.round, RoundRecord.of(event.data))
+        if event.kind in TERMINAL:
+            return {"status": event.kind, **event.data}
+        return {}
+
+    def _catch_up(self, job_id: str, history: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        assert self._remote is not None
+        reply = self._remote.status("job", job_id)
+        if reply.error or not reply.jobs:
+            return {}
+        job = reply.jobs[0]
+        history.update({h["round"]: h for h in job.get("history", [])})
+        if job["status"] == "running":
+            return {}
+        return {k: job.get(k) for k in ("status", "reason", "model_path", "best") if job.get(k) is not None}
+
+    def _fetcher(self, job_id: str) -> Any:
+        """How the Result gets a round's weights: the aggregator's file here, else over the broker."""
+        settings, remote_mode = self.settings, self.remote_mode
+
+        def fetch(digest: str) -> Mapping[str, torch.Tensor]:
+            path = Path(settings.state_dir) / "aggregator" / job_id / "checkpoints" / f"{digest}.safetensors"
+            if not remote_mode and path.exists():
+                from fedmq.common.checkpoint import load_state
+
+                return {k[2:]: v for k, v in load_state(path)[0].items() if k.startswith("w.")}
+            from fedmq.services.cli.remote import Remote
+
+            with Remote(settings) as remote:
+                return remote.model(job_id, digest)
+
+        return fetch
+
+
+def run(
+    job: JobSpec | Mapping[str, Any],
+    *,
+    broker: str | None = None,
+    learners: int = 1,
+    state_dir: str | Path | None = None,
+    callbacks: Iterable[Callback] = (),
+    timeout: float | None = None,
+) -> Result:
+    """Run one job to its end: in this process (no broker), or on the cluster at `broker`."""
+    with Runner(broker, learners=learners, state_dir=state_dir) as runner:
+        return runner.run(job, callbacks=callbacks, timeout=timeout)
