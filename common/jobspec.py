@@ -118,8 +118,23 @@ class FedAvgMStrategy(Spec):
     server_momentum: float = Field(0.9, ge=0, lt=1)
 
 
+class WeightedStrategy(Spec):
+    """FedAvg with the user's weight per client (seed 002's `weighted`); clients past the list count 1."""
+
+    name: Literal["weighted"] = "weighted"
+    weights: list[Annotated[float, Field(ge=0)]] = []
+
+
+class MovingAverageStrategy(Spec):
+    """A moving average of the global weights (seed 002's `momentum`): w ← m·w + (1 − m)·average."""
+
+    name: Literal["moving_average"] = "moving_average"
+    momentum: float = Field(0.9, ge=0, lt=1)
+
+
 Strategy = Annotated[
-    FedAvgStrategy | AverageStrategy | FedAvgMStrategy, Field(discriminator="name")
+    FedAvgStrategy | AverageStrategy | FedAvgMStrategy | WeightedStrategy | MovingAverageStrategy,
+    Field(discriminator="name"),
 ]
 
 
@@ -255,7 +270,8 @@ def format_errors(exc: ValidationError) -> str:
 def _union_members() -> dict[tuple[type[BaseModel], str], dict[str, type[BaseModel]]]:
     return {
         (JobSpec, "strategy"): {
-            "fedavg": FedAvgStrategy, "average": AverageStrategy, "fedavgm": FedAvgMStrategy
+            "fedavg": FedAvgStrategy, "average": AverageStrategy, "fedavgm": FedAvgMStrategy,
+            "weighted": WeightedStrategy, "moving_average": MovingAverageStrategy,
         },
     }
 

@@ -84,3 +84,14 @@ def server_momentum(
         new_velocity[name] = step
         new_weights[name] = w - lr * step
     return new_weights, new_velocity
+
+
+def moving_average(
+    previous: Mapping[str, torch.Tensor], averaged: Mapping[str, torch.Tensor], momentum: float
+) -> StateDict:
+    """w ← m·w_prev + (1 − m)·w̄ per floating tensor (seed 002's `momentum`); other tensors take w̄."""
+    out: StateDict = {}
+    for name, avg in averaged.items():
+        prev = previous[name]
+        out[name] = prev * momentum + avg * (1 - momentum) if avg.dtype.is_floating_point else avg.clone()
+    return out

@@ -60,11 +60,11 @@ class ClientDataCache:
         if data is not None:
             self._data.move_to_end(key)
             return data
+        while len(self._data) >= self.limit:  # make room first: never more than `limit` held
+            self._data.popitem(last=False)
         data = load()
         self.loads[key] = self.loads.get(key, 0) + 1
         self._data[key] = data
-        while len(self._data) > self.limit:
-            self._data.popitem(last=False)
         self.most_held = max(self.most_held, len(self._data))
         return data
 

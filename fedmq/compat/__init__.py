@@ -1,0 +1,1 @@
+"""Adapters for code written against other frameworks."""

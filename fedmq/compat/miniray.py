@@ -1,0 +1,219 @@
+"""Seed 002's Mini-Ray Train API on fedmq: your workers, fedmq's rounds, embedded or on a cluster.
+
+    class MyWorker:                                   # seed 002's worker, unchanged
+        def __init__(self, worker_id): ...
+        def load_data_shard(self, shard_id, num_shards, **kwargs): ...
+        def train_epoch(self, epoch) -> dict: ...
+        def get_weights(self) -> list[Tensor]: ...
+        def set_weights(self, weights): ...
+
+    class MyTrainer(DataParallelTrainer):
+        def create_worker(self, worker_id, **kwargs):
+            return MyWorker(worker_id)
+
+    with MyTrainer(num_workers=4, sync_interval=2, sync_strategy="weighted") as trainer:
+        trainer.set_worker_weight(0, 2.0)
+        history = trainer.train(epochs=20, batch_size=32)
+
+How it maps: each worker is a client (`clients.total = num_workers`, all train each round); a
+round runs `sync_interval` epochs of `train_epoch` and then syncs; `average`, `weighted` and
+`momentum` are the strategies `average`, `weighted` (the weights you set, normalised; a worker
+without one counts 1) and `moving_average` (w = m·w_prev + (1 − m)·average, the first sync a
+plain average). Unlike upstream, the global weights are broadcast before the first epoch, so
+workers start equal however they are built. A worker is built afresh for every round from the
+trainer class (its constructor arguments are recorded), so its optimizer state lives one round:
+the same on every learner, and after any crash. Optional: define `evaluate(self, worker)` on the
+trainer to report metrics of the synced weights (it runs where the aggregator runs).
+Keyword arguments of `train()` reach `create_worker` and `load_data_shard`, as in seed 002.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+import fedmq
+from fedmq.common.task.loading import import_ref, ref_of
+
+STRATEGIES = {"average": "average", "weighted": "weighted", "momentum": "moving_average"}
+
+
+class DataParallelTrainer:
+    """Subclass it and define `create_worker(worker_id, **kwargs)`; see the module docstring."""
+
+    _init: tuple[tuple[Any, ...], dict[str, Any]]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> DataParallelTrainer:
+        self = super().__new__(cls)
+        self._init = (args, kwargs)  # so every process can build the same trainer again
+        return self
+
+    def __init__(
+        self,
+        num_workers: int = 4,
+        sync_interval: int = 1,
+        sync_strategy: str = "average",
+        *,
+        broker: str | None = None,
+        seed: int = 0,
+        **strategy_kwargs: Any,
+    ) -> None:
+        if sync_strategy not in STRATEGIES:
+            raise ValueError(f"sync_strategy must be one of {', '.join(STRATEGIES)}, got {sync_strategy!r}")
+        self.num_workers, self.sync_interval, self.sync_strategy = num_workers, sync_interval, sync_strategy
+        self.broker, self.seed, self.strategy_kwargs = broker, seed, strategy_kwargs
+        self.worker_weights: dict[int, float] = {}
+        self.result: fedmq.Result | None = None
+        self._runner: fedmq.Runner | None = None
+
+    # -- what a subclass writes -------------------------------------------------------------
+
+    def create_worker(self, worker_id: int, **kwargs: Any) -> Any:
+        raise NotImplementedError("define create_worker(worker_id, **kwargs) returning your worker")
+
+    def on_train_start(self, **kwargs: Any) -> None: ...
+    def on_epoch_start(self, epoch: int, **kwargs: Any) -> None: ...
+
+    def on_epoch_end(self, epoch: int, result: dict[str, Any], **kwargs: Any) -> None: ...
+
+    def on_train_end(self, history: list[dict[str, Any]], **kwargs: Any) -> Any:
+        return history
+
+    # -- the trainer's API --------------------------------------------------------------------
+
+    def set_worker_weight(self, worker_id: int, weight: float) -> None:
+        """The weight of a worker's parameters in a `weighted` sync (before `train`)."""
+        self.worker_weights[worker_id] = float(weight)
+
+    def train(self, epochs: int, **kwargs: Any) -> Any:
+        """Train for `epochs` epochs, syncing every `sync_interval`; returns on_train_end(history)."""
+        job = self.job(epochs, **kwargs)
+        trainer, history = self, []
+
+        class Hooks(fedmq.Callback):
+            def on_train_start(self, job: Any, job_id: str) -> None:
+                trainer.on_train_start(**kwargs)
+
+            def on_round_start(self, round: int) -> None:
+                trainer.on_epoch_start(_first_epoch(round, trainer.sync_interval), **kwargs)
+
+            def on_round_end(self, round: int, record: fedmq.RoundRecord) -> None:
+                if round == 0:
+                    return
+                result = {**record.metrics.get("train", {}), **record.metrics.get("server", {}), "synced": True}
+                epoch = min(_first_epoch(round + 1, trainer.sync_interval), epochs) - 1
+                history.append({"epoch": epoch, **result})
+                trainer.on_epoch_end(epoch, result, **kwargs)
+
+        if self._runner is not None:
+            self.result = self._runner.run(job, callbacks=[Hooks()])
+        else:
+            self.result = fedmq.run(job, broker=self.broker, callbacks=[Hooks()])
+        if not self.result.ok:
+            raise RuntimeError(f"training {self.result.status}: {self.result.reason}")
+        return self.on_train_end(history, **kwargs)
+
+    def job(self, epochs: int, **kwargs: Any) -> fedmq.Job:
+        """The fedmq job `train(epochs, **kwargs)` runs."""
+        args, init = self._init
+        strategy: dict[str, Any] = {"name": STRATEGIES[self.sync_strategy]}
+        if self.sync_strategy == "weighted":
+            strategy["weights"] = [self.worker_weights.get(i, 1.0) for i in range(self.num_workers)]
+        if self.sync_strategy == "momentum":
+            strategy["momentum"] = float(self.strategy_kwargs.get("momentum", 0.9))
+        options = {"trainer": ref_of(type(self)), "args": list(args), "init": init, "kwargs": kwargs,
+                   "sync_interval": self.sync_interval, "epochs": epochs}
+        return fedmq.Job(
+            name=type(self).__name__.lower(), seed=self.seed, rounds=math.ceil(epochs / self.sync_interval),
+            task={"name": WorkerTask, "options": options}, clients={"total": self.num_workers},
+            strategy=strategy,
+        )
+
+    def get_sync_stats(self) -> dict[str, Any]:
+        """How many syncs, the bytes each way, and time in training, transfer and aggregation."""
+        if self.result is None:
+            return {}
+        stats = self.result.sync_stats
+        return {"num_syncs": stats.rounds, **{k: v for k, v in vars(stats).items() if k != "rounds"}}
+
+    def shutdown(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+    def __enter__(self) -> DataParallelTrainer:
+        self._runner = fedmq.Runner(self.broker).__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()
+
+
+class WeightsModule(nn.Module):
+    """A worker's weight list as a module: what fedmq checkpoints, sends and averages."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(w.detach().clone(), requires_grad=False) for w in weights])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.weights]
+
+
+class WorkerTask(fedmq.Task):
+    """The fedmq Task that runs a DataParallelTrainer's workers (built by `DataParallelTrainer.job`)."""
+
+    metric_reduction: ClassVar[Mapping[str, Any]] = {}
+
+    def __init__(self, trainer: str, args: list[Any], init: dict[str, Any], kwargs: dict[str, Any],
+                 sync_interval: int, epochs: int) -> None:
+        cls = import_ref(trainer, what="trainer")
+        self.trainer: DataParallelTrainer = cls(*args, **init)
+        self.kwargs, self.sync_interval, self.epochs = kwargs, sync_interval, epochs
+
+    def build_model(self) -> nn.Module:
+        return WeightsModule(self.trainer.create_worker(0, **self.kwargs).get_weights())
+
+    def load_data(self, ctx: fedmq.DataContext) -> int:
+        return ctx.client  # a worker loads its own shard when it is built, each round
+
+    def load_server_data(self, ctx: fedmq.DataContext) -> int | None:
+        return 0 if callable(getattr(self.trainer, "evaluate", None)) else None
+
+    def train(self, model: nn.Module, data: int, ctx: fedmq.TrainContext) -> fedmq.TrainResult:
+        assert isinstance(model, WeightsModule)
+        worker = self._worker(data, model)
+        first = _first_epoch(ctx.round, self.sync_interval)
+        results = [worker.train_epoch(epoch) for epoch in range(first, min(first + self.sync_interval, self.epochs))]
+        new = worker.get_weights()
+        with torch.no_grad():
+            for param, value in zip(model.weights, new, strict=True):
+                param.copy_(value)
+        numeric = {k: float(v) for k, v in (results[-1] if results else {}).items() if _is_number(v)}
+        return fedmq.TrainResult(num_examples=1, metrics=numeric)
+
+    def evaluate(self, model: nn.Module, data: Any, ctx: fedmq.EvalContext) -> dict[str, float]:
+        assert isinstance(model, WeightsModule)
+        return dict(self.trainer.evaluate(self._worker(0, model)))  # type: ignore[attr-defined]
+
+    def _worker(self, worker_id: int, model: WeightsModule) -> Any:
+        worker = self.trainer.create_worker(worker_id, **self.kwargs)
+        if hasattr(worker, "load_data_shard"):
+            worker.load_data_shard(worker_id, self.trainer.num_workers, **self.kwargs)
+        worker.set_weights(model.tensors())
+        return worker
+
+
+def _first_epoch(server_round: int, sync_interval: int) -> int:
+    return (server_round - 1) * sync_interval
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
