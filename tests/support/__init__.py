@@ -1,0 +1,1 @@
+"""Helpers the tests share that are not fixtures: the FedAvg simulation harness."""
