@@ -17,16 +17,13 @@ on the [0, 1] pixel scale, with `EVAL_SAMPLES` images generated from latents fix
     nn_distance  mean distance from a generated image to its nearest held-out real image
 
 Both are server metrics, so round 0 (the untrained generator) is measured too. At the end,
-`write_samples(model, path)` draws an 8x8 grid of generated digits as a PNG; `Gan.export` is
-the same for a hook the aggregator would call after the last round (see `ExportContext`).
+`write_samples(model, path)` draws an 8x8 grid of generated digits as a PNG; `Gan.export`, which
+the aggregator calls after the last round, writes it as `artifacts/samples.png` in the job's folder.
 """
 
 from __future__ import annotations
 
 import functools
-import struct
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -133,18 +130,9 @@ class Gan(fedmq.Task):
         fakes = model.sample(EVAL_SAMPLES, torch.Generator().manual_seed(ctx.seed)).cpu()
         return sample_quality(fakes, data)
 
-    def export(self, model: nn.Module, ctx: ExportContext) -> None:
+    def export(self, model: nn.Module, ctx: fedmq.ExportContext) -> None:
         """After the last round: the grid of generated digits, as `samples.png` in ctx.out_dir."""
         write_samples(model, Path(ctx.out_dir) / "samples.png", seed=ctx.seed)
-
-
-@dataclass(frozen=True)
-class ExportContext:
-    """What an export hook is handed (a proposal for fedmq's contract): where to write, and when."""
-
-    out_dir: Path
-    round: int
-    seed: int
 
 
 def sample_quality(fake: torch.Tensor, real: torch.Tensor) -> dict[str, float]:
@@ -181,22 +169,10 @@ def write_samples(
     big = np.kron(grid, np.ones((scale, scale)))
     pixels = np.round(255 * (1 - np.clip(big, 0, 1))).astype(np.uint8)
     path = Path(path)
-    path.write_bytes(png(pixels))
+    import matplotlib.image
+
+    matplotlib.image.imsave(path, pixels, cmap="gray", vmin=0, vmax=255)
     return path
-
-
-def png(pixels: np.ndarray) -> bytes:
-    """An 8-bit grayscale PNG of a (height, width) uint8 array (no dependency beyond zlib)."""
-    height, width = pixels.shape
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    rows = b"".join(b"\x00" + pixels[r].tobytes() for r in range(height))  # filter 0 per row
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit, grayscale
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(
-        b"IEND", b""
-    )
 
 
 def _mlp(widths: list[int]) -> list[nn.Module]:

@@ -20,6 +20,7 @@ from fedmq.common.task.contract import (
     DataContext,
     EvalContext,
     EvalResult,
+    ExportContext,
     Objective,
     Task,
     TrainContext,

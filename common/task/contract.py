@@ -103,6 +103,15 @@ class EvalContext:
 
 
 @dataclass(frozen=True)
+class ExportContext:
+    """Where the final model's artifacts go (the aggregator's folder for the job), and its round."""
+
+    out_dir: Path
+    round: int
+    seed: int
+
+
+@dataclass(frozen=True)
 class ClientData:
     """What `load_data` returns: a client's training data and, optionally, its validation data.
 
@@ -176,6 +185,10 @@ class Task:
         `ctx.client` is -1 here: it is no client's data.
         """
         return None
+
+    def export(self, model: nn.Module, ctx: ExportContext) -> None:
+        """After the last round, on the aggregator: write artifacts of the final model (plots,
+        samples, other formats) into `ctx.out_dir`. Does nothing by default."""
 
     # Level 1 (`train`) and level 2 (`loss`): define one. Neither is defined here, so that
     # fedmq can tell which a Task chose (`has_train` / `has_loss`).

@@ -31,6 +31,7 @@ from fedmq.common.task.contract import (
     DataContext,
     EvalContext,
     EvalResult,
+    ExportContext,
     Task,
     TrainContext,
     TrainResult,
@@ -122,6 +123,12 @@ class TaskRuntime:
             torch.manual_seed(derive_seed(self.spec.seed, "data", client))
             data = self.task.load_data(self.data_context(client, data_dir))
         return data if isinstance(data, ClientData) else ClientData(train=data)
+
+    def export(self, model: nn.Module, out_dir: Path, server_round: int) -> None:
+        """The Task's artifacts of the final model, written into `out_dir`."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with user_call("export", round=server_round):
+            self.task.export(model, ExportContext(out_dir=out_dir, round=server_round, seed=self.spec.seed))
 
     def load_server_data(self, data_dir: Path | None) -> Any | None:
         with user_call("load_server_data"):

@@ -1,1 +1,1 @@
-"""Example plug-ins a job spec can name with `entrypoint: "examples.plugins.my_model:..."`."""
+"""Example Tasks a job spec can name, e.g. `task: {name: "examples.plugins.my_task:MyTask"}`."""

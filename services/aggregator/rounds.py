@@ -43,6 +43,7 @@ def aggregate_round(job: AggJob, server_round: int, clients: list[int]) -> Round
             job_id=job.job_id, round=server_round,
         )
         closed = closed.model_copy(update={"model_path": str(path)})
+        job.runtime.export(job.model, job.store.root / "artifacts", server_round)
     return closed
 
 

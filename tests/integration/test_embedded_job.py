@@ -84,7 +84,7 @@ def test_the_saved_model_reloads_and_scores_the_reported_accuracy(settings: Sett
 
 
 def test_a_users_task_with_its_own_train_runs_end_to_end(settings: Settings) -> None:
-    spec = small_job(task={"name": "examples.plugins.my_task:Blobs", "options": {"num_samples": 300}})
+    spec = small_job(task={"name": "examples.plugins.my_task:MyTask"}, rounds=5)
     result = run_job(spec, settings, idle_timeout=60)
     assert result["status"] == "completed"
     assert result["final"]["server.accuracy"] > 0.8
