@@ -1,0 +1,61 @@
+"""A round limit for jobs of real processes: training for round r waits until the test allows r.
+
+The test writes the gate folder: `rounds.json` maps each training's seed to its round (the
+learner seeds the generator from (job seed, "train", round, client)), and `limit` holds the last
+round allowed. A job under the gate stops in round limit + 1 with its tasks held by learners, so
+a test knows exactly which round is in flight when it disturbs something. Without
+FEDMQ_TEST_ROUND_GATE (the undisturbed run in the test process) training runs as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fedmq.common.jobspec import JobSpec, TrainSpec
+from fedmq.common.seeding import derive_seed
+from fedmq.services.learner.training import train_local
+
+ENTRYPOINT = "tests.e2e.round_gate:train"
+GATE_TIMEOUT_S = 300.0  # long enough for any loaded machine; a bug fails here rather than hangs
+
+
+class RoundGate:
+    """The test's side: say which rounds may train."""
+
+    def __init__(self, folder: Path, spec: JobSpec) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        rounds = {
+            str(derive_seed(spec.seed, "train", r, client)): r
+            for r in range(1, spec.rounds + 1) for client in range(spec.clients.total)
+        }
+        (folder / "rounds.json").write_text(json.dumps(rounds))
+        self.allow(0)
+
+    def allow(self, last_round: int) -> None:
+        """Let every round up to `last_round` train (atomically: a reader sees the old or the new)."""
+        tmp = self.folder / "limit.tmp"
+        tmp.write_text(str(last_round))
+        tmp.replace(self.folder / "limit")
+
+
+def train(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, spec: TrainSpec,
+    generator: torch.Generator, device: torch.device,
+) -> dict[str, float]:
+    folder = os.environ.get("FEDMQ_TEST_ROUND_GATE")
+    if folder:
+        rounds = json.loads((Path(folder) / "rounds.json").read_text())
+        server_round = rounds[str(generator.initial_seed())]
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while int((Path(folder) / "limit").read_text()) < server_round:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"round {server_round} was never allowed in {GATE_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)  # polling a file another process writes
+    return train_local(model, x, y, spec, generator, device)
