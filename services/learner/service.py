@@ -74,7 +74,9 @@ class LearnerService:
         self.node = settings.node or socket.gethostname()
         # Without a replica index (compose has none) the pid keeps names on one host apart.
         self.name = f"{self.node}/{given}" if given is not None else f"{self.node}/pid{os.getpid()}"
-        self.device = torch.device("cpu")
+        # Picked and checked here, before the process connects anywhere: a bad FEDMQ_DEVICE is a
+        # start-up error, not a learner that joins the fleet and then cannot train.
+        self.device = resolve_device(settings.device, self.replica)
         self._tasks: queue.SimpleQueue[tuple[TrainTask, Delivery]] = queue.SimpleQueue()
         self._stopping = False
         self._contexts: OrderedDict[str, JobContext] = OrderedDict()
@@ -84,7 +86,6 @@ class LearnerService:
         self.redelivered = 0  # tasks that reached this learner marked as redelivered
 
     def start(self) -> None:
-        self.device = resolve_device(self.settings.device, self.replica)
         # torch imports its compiler stack (~2 s here) on the first optimizer it builds:
         # pay that at start-up, not inside the first round.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
