@@ -22,6 +22,7 @@ from fedmq.services.learner.training import train_local
 
 FAIL_SIZE = [-1]  # `failing`: the shard size to fail on
 SECONDS = [0.0]  # `slow`: seconds to sleep before training (a duration to outlast, not an order)
+DEVICES: list[tuple[str, str]] = []  # `recording`: (device given, device of the trained weights)
 GATE_TIMEOUT_S = 120.0  # long enough for any loaded machine; a bug fails here rather than hangs
 _gates: dict[int, threading.Event] = {}  # by the seed of the training generator: (job seed, round, client)
 _made: list[threading.Event] = []
@@ -73,8 +74,19 @@ def gated(
     return train_local(model, x, y, train, generator, device)
 
 
+def recording(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainSpec,
+    generator: torch.Generator, device: torch.device,
+) -> dict[str, float]:
+    metrics = train_local(model, x, y, train, generator, device)
+    with _lock:
+        DEVICES.append((str(device), str(next(model.parameters()).device)))
+    return metrics
+
+
 def reset() -> None:
     FAIL_SIZE[0], SECONDS[0] = -1, 0.0
+    DEVICES.clear()
     with _lock:
         for event in _made:
             event.set()  # nothing may stay blocked after its test
