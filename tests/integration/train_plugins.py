@@ -3,7 +3,8 @@
 Each wraps fedmq's own trainer; module-level knobs say when to misbehave (set by a test).
 `gated` makes one client's training in one round wait for an event the test sets, so a test
 orders what happens around it by events, never by how long something takes. In a learner
-process (tests/e2e) FEDMQ_TEST_TRAIN_GATE names a file: every training waits until it exists.
+process (tests/e2e) FEDMQ_TEST_TRAIN_GATE names a file: every training waits until it exists,
+except the first FEDMQ_TEST_TRAIN_GATE_AFTER trainings of the process (default 0).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ DEVICES: list[tuple[str, str]] = []  # `recording`: (device given, device of the
 GATE_TIMEOUT_S = 120.0  # long enough for any loaded machine; a bug fails here rather than hangs
 _gates: dict[int, threading.Event] = {}  # by the seed of the training generator: (job seed, round, client)
 _made: list[threading.Event] = []
+_trainings = [0]  # trainings started in this process, for FEDMQ_TEST_TRAIN_GATE_AFTER
 _lock = threading.Lock()
 
 
@@ -64,8 +66,11 @@ def gated(
         event = _gates.pop(generator.initial_seed(), None)  # a second attempt does not wait
     if event is not None and not event.wait(GATE_TIMEOUT_S):
         raise RuntimeError(f"the test never opened this training's gate in {GATE_TIMEOUT_S:.0f} s")
+    with _lock:
+        _trainings[0] += 1
+        free = _trainings[0] <= int(os.environ.get("FEDMQ_TEST_TRAIN_GATE_AFTER", "0"))
     gate_file = os.environ.get("FEDMQ_TEST_TRAIN_GATE")
-    if gate_file:
+    if gate_file and not free:
         deadline = time.monotonic() + GATE_TIMEOUT_S
         while not Path(gate_file).exists():
             if time.monotonic() > deadline:
