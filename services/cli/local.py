@@ -71,8 +71,11 @@ def _say_stopped(state_dir: Path, job_id: str, spec: JobSpec, again: str) -> Non
         pause.discard(state_dir)
         err.print(f"interrupted before job {job_id} began; start it again", highlight=False)
         return
-    where = (f"stopped in round {stopped.round} of {spec.rounds}" if stopped.status == "running"
-             else f"had {stopped.status}")
+    where = f"stopped in round {stopped.round} of {spec.rounds}"
+    if stopped.round == 0:
+        where = "stopped before round 1"
+    if stopped.status != "running":
+        where = f"had {stopped.status}"
     err.print(
         f"interrupted: job {job_id} {where}; its state is kept in {state_dir}\n"
         f"  resume it:   {again}\n"
