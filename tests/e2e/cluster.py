@@ -23,7 +23,8 @@ class Cluster:
         self.url = url
         self.root = root
         self.env = {
-            **os.environ, "FEDMQ_BROKER_URL": url, "FEDMQ_LOG_FORMAT": "json",
+            # On the CPU, as the embedded runs the tests compare with: a GPU gives other last bits.
+            **os.environ, "FEDMQ_BROKER_URL": url, "FEDMQ_LOG_FORMAT": "json", "FEDMQ_DEVICE": "cpu",
             "FEDMQ_LIVENESS_S": "1", "COLUMNS": "200", **(extra_env or {}),
         }
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
