@@ -160,7 +160,8 @@ class JobSpec(Spec):
         raw = self.model_dump(mode="json")
         for key, value in changes.items():
             current = raw.get(key)
-            raw[key] = {**current, **value} if isinstance(value, dict) and isinstance(current, dict) else value
+            merged = isinstance(value, dict) and isinstance(current, dict)
+            raw[key] = {**current, **value} if merged else value  # type: ignore[dict-item]
         return type(self).model_validate(raw)
 
     def evaluates(self, server_round: int) -> bool:

@@ -50,8 +50,9 @@ def run_service(
     metrics = Metrics()
     bus.on_traffic = metrics.traffic
     bus.on_dead_letter = metrics.dead_letter
-    metrics.serve(settings.metrics_port)
+    # Built before anything opens: a service checks its settings (a learner its device) here.
     service = factory(settings, bus, metrics=metrics)
+    metrics.serve(settings.metrics_port)
     serve(service, bus, name, on_stop=None if on_stop is None else functools.partial(on_stop, service))
 
 

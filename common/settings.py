@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -10,6 +11,10 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
+
+# A comma starts the next address only where a URL scheme follows: a comma inside one URL
+# (a password, a query) stays in it.
+_NEXT_URL = re.compile(r"\s*,\s*(?=[A-Za-z][A-Za-z0-9+.-]*://)")
 
 
 class Settings(BaseSettings):
@@ -20,7 +25,9 @@ class Settings(BaseSettings):
     )
 
     broker_url: str = Field(
-        "amqp://guest:guest@127.0.0.1:5672/%2F", description="AMQP URL of RabbitMQ (amqp or amqps)"
+        "amqp://guest:guest@127.0.0.1:5672/%2F",
+        description="AMQP URL of RabbitMQ (amqp or amqps); for a cluster, one URL per node, "
+        "comma-separated: a lost connection moves to the next",
     )
     state_dir: Path = Field(Path(".fedmq"), description="where jobs, checkpoints and updates persist")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 disables")
@@ -66,17 +73,32 @@ class Settings(BaseSettings):
     @field_validator("broker_url")
     @classmethod
     def _url(cls, value: str) -> str:
-        if urlsplit(value).scheme not in {"amqp", "amqps"}:
-            raise ValueError("must start with amqp:// or amqps://")
-        return value
+        urls = split_urls(value)
+        if not urls:
+            raise ValueError("must name at least one broker: amqp://user:password@host:port/vhost")
+        for url in urls:
+            if urlsplit(url).scheme not in {"amqp", "amqps"}:
+                raise ValueError(f"{redact_url(url)}: must start with amqp:// or amqps://")
+        return ",".join(urls)
+
+    @property
+    def broker_urls(self) -> tuple[str, ...]:
+        """Every broker address, in the order a service tries them."""
+        return split_urls(self.broker_url)
 
     @property
     def safe_broker_url(self) -> str:
-        """The broker URL with the password hidden, fit for logs and error messages."""
-        return redact_url(self.broker_url)
+        """The broker URLs with their passwords hidden, fit for logs and error messages."""
+        return ", ".join(redact_url(url) for url in self.broker_urls)
+
+
+def split_urls(value: str) -> tuple[str, ...]:
+    """`amqp://a/vh, amqp://b/vh` -> both URLs; one URL -> itself."""
+    return tuple(url for url in _NEXT_URL.split(value.strip()) if url)
 
 
 def redact_url(url: str) -> str:
+    """One URL with its password replaced by ***."""
     parts = urlsplit(url)
     if parts.password is None:
         return url

@@ -30,6 +30,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     mark_tiers(items)
 
 
+@pytest.fixture(autouse=True)
+def services_train_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FEDMQ_DEVICE=cpu for every Settings() a test builds and every process it starts.
+
+    Bit-identity between runs and the comparison with tests/reference.py (which trains on the
+    CPU) are CPU facts: with the default `auto`, services on a GPU machine train on CUDA and
+    differ from the reference in the last bits. A test about devices passes
+    `Settings(device=...)` or sets FEDMQ_DEVICE for its process itself.
+    """
+    monkeypatch.setenv("FEDMQ_DEVICE", "cpu")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
     rabbit.RUNNING[:] = [item]  # so require_rabbitmq can check the test is marked

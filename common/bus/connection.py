@@ -7,6 +7,9 @@ with `add_callback_threadsafe`, the one thread-safe pika call (invariant 8).
     any thread ──call_soon──▶ outbox ──add_callback_threadsafe (wake)──▶ loop thread
     loop: drain outbox ─▶ fire due timers ─▶ process_data_events (≤ 1 s) ─▶ again
           connection lost ─▶ on_lost ─▶ backoff (doubling, capped) ─▶ connect ─▶ on_open
+
+With several broker addresses (a cluster's nodes), `connect` tries them in turn from the
+one after the node it last lost, so a dead node is tried last rather than first forever.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pika.adapters.blocking_connection import BlockingChannel, BlockingConnectio
 from fedmq.common.bus.base import Timer
 from fedmq.common.bus.topology import declare_topology
 from fedmq.common.errors import BrokerUnavailable
-from fedmq.common.settings import Settings
+from fedmq.common.settings import Settings, redact_url
 
 log = structlog.get_logger("fedmq.bus")
 
@@ -55,15 +58,18 @@ class _LoopTimer(Timer):
         self.cancelled = True
 
 
-def connection_parameters(settings: Settings, name: str) -> pika.URLParameters:
-    """How to reach the broker: one attempt per connect (the loop retries), named for the UI."""
-    params = pika.URLParameters(settings.broker_url)
-    params.heartbeat = settings.heartbeat_s
-    params.blocked_connection_timeout = 60
-    params.connection_attempts = 1
-    params.socket_timeout = 5
-    params.client_properties = {"connection_name": name}
-    return params
+def connection_parameters(settings: Settings, name: str) -> list[pika.URLParameters]:
+    """How to reach each broker node: one attempt per connect (the loop retries), named for the UI."""
+    nodes = []
+    for url in settings.broker_urls:
+        params = pika.URLParameters(url)
+        params.heartbeat = settings.heartbeat_s
+        params.blocked_connection_timeout = 60
+        params.connection_attempts = 1
+        params.socket_timeout = 5
+        params.client_properties = {"connection_name": name}
+        nodes.append(params)
+    return nodes
 
 
 class BrokerConnection:
@@ -74,7 +80,9 @@ class BrokerConnection:
     ) -> None:
         self.settings = settings
         self.name = name
-        self.params = connection_parameters(settings, name)
+        self.nodes = connection_parameters(settings, name)
+        self.node = 0  # the index of the node connected to, or last connected to
+        self._first = 0  # the node the next connect tries first
         self.conn: BlockingConnection | None = None
         self.channel: BlockingChannel | None = None  # confirmed: each publish waits for the broker
         self.generation = 0  # one per connection: a delivery from an older one can't be settled
@@ -88,31 +96,50 @@ class BrokerConnection:
         self._thread: int | None = None
 
     def connect(self) -> None:
-        """Open the connection and declare the topology; BrokerUnavailable if it can't."""
+        """Open the connection on the first node that answers and declare the topology.
+
+        BrokerUnavailable if no node answers, naming every address and what each said.
+        """
+        urls = self.settings.broker_urls
+        failures: list[tuple[str, BaseException]] = []
+        for step in range(len(urls)):
+            index = (self._first + step) % len(urls)
+            try:
+                self._open(index)
+            except (*CONNECTION_ERRORS, OSError) as exc:
+                self.drop()
+                failures.append((urls[index], exc))
+                continue
+            self.generation += 1
+            if len(urls) > 1:
+                log.info("broker_connected", bus=self.name, node=redact_url(urls[index]))
+            return
+        raise BrokerUnavailable(unreachable_message(failures))
+
+    def _open(self, index: int) -> None:
+        self.node = index
+        self.conn = pika.BlockingConnection(self.nodes[index])
+        self.channel = self.conn.channel()
+        self.channel.confirm_delivery()
+        self.channel.add_on_cancel_callback(self._on_cancelled)
         try:
-            self.conn = pika.BlockingConnection(self.params)
-            self.channel = self.conn.channel()
-            self.channel.confirm_delivery()
-            self.channel.add_on_cancel_callback(self._on_cancelled)
             declare_topology(self.channel, self.settings)
         except pika.exceptions.ChannelClosedByBroker as exc:
-            self.drop()
-            if exc.reply_code == 406:
-                raise BrokerUnavailable(
-                    f"RabbitMQ at {self.settings.safe_broker_url} refused fedmq's queues: {exc.reply_text}. "
-                    "They exist with other arguments (FEDMQ_DELIVERY_LIMIT changed?): delete them or "
-                    "use a fresh vhost."
-                ) from None
-            raise BrokerUnavailable(unreachable_message(self.settings, exc)) from None
-        except (*CONNECTION_ERRORS, OSError) as exc:
-            self.drop()
-            raise BrokerUnavailable(unreachable_message(self.settings, exc)) from None
-        self.generation += 1
+            if exc.reply_code != 406:
+                raise
+            self.drop()  # every node of a cluster would say the same: no use trying the next
+            raise BrokerUnavailable(
+                f"RabbitMQ at {redact_url(self.settings.broker_urls[index])} refused fedmq's queues: "
+                f"{exc.reply_text}. They exist with other arguments (FEDMQ_DELIVERY_LIMIT changed?): "
+                "delete them or use a fresh vhost."
+            ) from None
 
     def drop(self) -> None:
         """Forget the connection (closing it if it is still open); its deliveries are the broker's again."""
         self._on_lost()
         conn, self.conn, self.channel = self.conn, None, None
+        if conn is not None:
+            self._first = (self.node + 1) % len(self.nodes)  # a node that failed us is tried last
         if conn is not None and conn.is_open:
             # Closing a broken connection may fail in many ways; it is gone either way.
             with contextlib.suppress(Exception):
@@ -248,10 +275,19 @@ def _guarded(callback: Callable[[], None], event: str) -> None:
         log.exception(event)
 
 
-def unreachable_message(settings: Settings, exc: BaseException) -> str:
-    detail = str(exc) or "connection refused or timed out"
+def unreachable_message(failures: list[tuple[str, BaseException]]) -> str:
+    """One line naming every broker address tried (passwords hidden), what each said, what to check."""
+    def said(exc: BaseException) -> str:
+        return (str(exc) or "connection refused or timed out")[:200]
+
+    if len(failures) == 1:
+        url, exc = failures[0]
+        where = f"RabbitMQ at {redact_url(url)} ({said(exc)})"
+    else:
+        where = f"any of {len(failures)} RabbitMQ nodes: " + "; ".join(
+            f"{redact_url(url)} ({said(exc)})" for url, exc in failures
+        )
     return (
-        f"cannot reach RabbitMQ at {settings.safe_broker_url} ({detail[:200]}). "
-        "Is the broker running (rabbitmq-diagnostics ping), and are FEDMQ_BROKER_URL's "
-        "host, port, vhost and credentials right?"
+        f"cannot reach {where}. Is the broker running (rabbitmq-diagnostics ping), and are "
+        "FEDMQ_BROKER_URL's host, port, vhost and credentials right?"
     )

@@ -58,6 +58,11 @@ class RabbitBus(Bus):
     def reconnects(self) -> int:
         return self._link.reconnects
 
+    @property
+    def node(self) -> int:
+        """Which of the broker addresses the connection is on (or was last on)."""
+        return self._link.node
+
     # -- the connection and its thread ----------------------------------------
 
     def connect(self) -> None:

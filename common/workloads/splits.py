@@ -19,7 +19,9 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tup
     return train, test
 
 
-def random_split(size: int, test_fraction: float, seed: int, *keys: str | int) -> tuple[np.ndarray, np.ndarray]:
+def random_split(
+    size: int, test_fraction: float, seed: int, *keys: str | int
+) -> tuple[np.ndarray, np.ndarray]:
     """Sorted train and test indices of `size` examples, the test share drawn from (seed, *keys)."""
     order = numpy_rng(seed, "split", *keys).permutation(size)
     cut = int(round(size * test_fraction))

@@ -105,7 +105,11 @@ class DataParallelTrainer:
             def on_round_end(self, round: int, record: fedmq.RoundRecord) -> None:
                 if round == 0:
                     return
-                result = {**record.metrics.get("train", {}), **record.metrics.get("server", {}), "synced": True}
+                result = {
+                    **record.metrics.get("train", {}),
+                    **record.metrics.get("server", {}),
+                    "synced": True,
+                }
                 epoch = min(_first_epoch(round + 1, trainer.sync_interval), epochs) - 1
                 history.append({"epoch": epoch, **result})
                 trainer.on_epoch_end(epoch, result, **kwargs)
@@ -126,12 +130,23 @@ class DataParallelTrainer:
             strategy["weights"] = [self.worker_weights.get(i, 1.0) for i in range(self.num_workers)]
         if self.sync_strategy == "momentum":
             strategy["momentum"] = float(self.strategy_kwargs.get("momentum", 0.9))
-        options = {"trainer": ref_of(type(self)), "args": list(args), "init": init, "kwargs": kwargs,
-                   "sync_interval": self.sync_interval, "epochs": epochs}
-        return fedmq.Job(
-            name=type(self).__name__.lower(), seed=self.seed, rounds=math.ceil(epochs / self.sync_interval),
-            task={"name": WorkerTask, "options": options}, clients={"total": self.num_workers},
-            strategy=strategy,
+        options = {
+            "trainer": ref_of(type(self)),
+            "args": list(args),
+            "init": init,
+            "kwargs": kwargs,
+            "sync_interval": self.sync_interval,
+            "epochs": epochs,
+        }
+        return fedmq.Job.model_validate(
+            {
+                "name": type(self).__name__.lower(),
+                "seed": self.seed,
+                "rounds": math.ceil(epochs / self.sync_interval),
+                "task": {"name": WorkerTask, "options": options},
+                "clients": {"total": self.num_workers},
+                "strategy": strategy,
+            }
         )
 
     def get_sync_stats(self) -> dict[str, Any]:
@@ -161,7 +176,9 @@ class WeightsModule(nn.Module):
 
     def __init__(self, weights: list[torch.Tensor]) -> None:
         super().__init__()
-        self.weights = nn.ParameterList([nn.Parameter(w.detach().clone(), requires_grad=False) for w in weights])
+        self.weights = nn.ParameterList(
+            [nn.Parameter(w.detach().clone(), requires_grad=False) for w in weights]
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.weights]
@@ -172,8 +189,15 @@ class WorkerTask(fedmq.Task):
 
     metric_reduction: ClassVar[Mapping[str, Any]] = {}
 
-    def __init__(self, trainer: str, args: list[Any], init: dict[str, Any], kwargs: dict[str, Any],
-                 sync_interval: int, epochs: int) -> None:
+    def __init__(
+        self,
+        trainer: str,
+        args: list[Any],
+        init: dict[str, Any],
+        kwargs: dict[str, Any],
+        sync_interval: int,
+        epochs: int,
+    ) -> None:
         cls = import_ref(trainer, what="trainer")
         self.trainer: DataParallelTrainer = cls(*args, **init)
         self.kwargs, self.sync_interval, self.epochs = kwargs, sync_interval, epochs
@@ -191,7 +215,9 @@ class WorkerTask(fedmq.Task):
         assert isinstance(model, WeightsModule)
         worker = self._worker(data, model)
         first = _first_epoch(ctx.round, self.sync_interval)
-        results = [worker.train_epoch(epoch) for epoch in range(first, min(first + self.sync_interval, self.epochs))]
+        results = [
+            worker.train_epoch(epoch) for epoch in range(first, min(first + self.sync_interval, self.epochs))
+        ]
         new = worker.get_weights()
         with torch.no_grad():
             for param, value in zip(model.weights, new, strict=True):

@@ -25,5 +25,7 @@ def evaluate_on_server(job: AggJob, server_round: int, data_dir: Path | None) ->
         job.server_data_loaded = True
     if job.server_data is None:
         return None
-    ctx = EvalContext(round=server_round, seed=job.spec.seed, device=torch.device("cpu"), batch_size=SERVER_BATCH)
+    ctx = EvalContext(
+        round=server_round, seed=job.spec.seed, device=torch.device("cpu"), batch_size=SERVER_BATCH
+    )
     return dict(job.runtime.evaluate(job.model, job.server_data, ctx).metrics)

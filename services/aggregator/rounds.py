@@ -35,7 +35,7 @@ def aggregate_round(job: AggJob, server_round: int, clients: list[int]) -> Round
         model_digest=job.digest,
         clients=[r.client for r in results],
         num_examples=sum(r.num_examples for r in results),
-        metrics={"train": reduce_metrics([(r.num_examples, r.metrics) for r in results], job.runtime.reductions)},
+        metrics={"train": train_metrics(results, job.runtime.reductions)},
     )
     if server_round == job.spec.rounds:
         path = save_model(
@@ -45,6 +45,11 @@ def aggregate_round(job: AggJob, server_round: int, clients: list[int]) -> Round
         closed = closed.model_copy(update={"model_path": str(path)})
         job.runtime.export(job.model, job.store.root / "artifacts", server_round)
     return closed
+
+
+def train_metrics(results: list[ClientResult], rules: dict[str, str]) -> dict[str, float]:
+    """The clients' training metrics combined: weighted by examples, or by the Task's rules."""
+    return reduce_metrics([(r.num_examples, r.metrics) for r in results], rules)
 
 
 def client_results(store: JobStore, server_round: int, clients: list[int]) -> list[ClientResult]:

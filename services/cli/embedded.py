@@ -2,29 +2,43 @@
 
 This module is the composition root for one process; `fedmq <service>` is the
 composition root for separate processes. Same services, same handlers.
+
+A cluster stops in order: learners take no more tasks and finish (and drop) the one they
+train while the aggregator still serves them weights; then every bus stops and its thread is
+joined, so no torch op still runs when the process exits (a stop by Ctrl-C, a
+KeyboardInterrupt out of the `with` block, waits as long as that takes). Left by an
+exception, it keeps what its in-memory queues held in the state directory (`pause`) for
+`run_job(..., resume=True)`.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
 from fedmq.common.bus.memory import MemoryBroker
+from fedmq.common.errors import ConfigError
 from fedmq.common.jobspec import JobSpec
-from fedmq.common.messages import JobEvent, JobSubmit, to_wire
+from fedmq.common.messages import JobEvent, JobSubmit, StatusReply, StatusRequest, expect, from_wire, to_wire
 from fedmq.common.settings import Settings
 from fedmq.services.aggregator.service import AggregatorService
+from fedmq.services.cli import pause
 from fedmq.services.cli.follow import TERMINAL, JobFollower
+from fedmq.services.cli.interrupt import Interrupt
 from fedmq.services.cli.summary import summarize
 from fedmq.services.learner.service import LearnerService
 from fedmq.services.scheduler.service import SchedulerService
+
+STOP_WAIT_S = 10.0  # a stop at the end of a job waits this long per thread; a Ctrl-C waits for all
+STATUS_TIMEOUT_S = 30.0
 
 
 class EmbeddedCluster:
@@ -35,6 +49,7 @@ class EmbeddedCluster:
     ) -> None:
         self.settings = settings
         self.broker = MemoryBroker()
+        self.in_memory = connect is None
         self._connect = connect or (lambda name: self.broker.connect())
         self.scheduler = SchedulerService(settings, self._connect("scheduler"))
         self.aggregator = AggregatorService(settings, self._connect("aggregator"))
@@ -55,23 +70,37 @@ class EmbeddedCluster:
         # 2x slower rounds on 2 cores). Give each learner its share unless told otherwise.
         cores = os.cpu_count() or 1
         torch.set_num_threads(self.settings.torch_threads or max(1, cores // (len(self.learners) + 1)))
-        for name, service in self.services():
-            service.bus.on_dead_letter = service.metrics.dead_letter
-            service.start()
-            thread = threading.Thread(target=service.bus.run, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        try:
+            for name, service in self.services():
+                service.bus.on_dead_letter = service.metrics.dead_letter
+                service.start()
+                thread = threading.Thread(target=service.bus.run, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        except BaseException:
+            self.stop()  # what did start
+            raise
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+        self.stop(wait=None if interrupted else STOP_WAIT_S)
+        stopped = not any(thread.is_alive() for thread in self._threads)
+        if exc_type is not None and self.in_memory and stopped:  # a job may go on: keep its messages
+            pause.save(self.settings.state_dir, self.broker)
+
+    def stop(self, wait: float | None = STOP_WAIT_S) -> None:
+        """Learners first, while the rest still serve them; then every bus; each thread joined."""
         for learner in self.learners:
             learner.shutdown()
+        for learner in self.learners:
+            learner.join(wait)
         for _, service in self.services():
             service.bus.stop()
         for thread in self._threads:
-            thread.join(timeout=10)
+            thread.join(wait)
 
     def services(self) -> list[tuple[str, SchedulerService | AggregatorService | LearnerService]]:
         return [
@@ -88,24 +117,45 @@ def run_job(
     learners: int = 1,
     connect: Callable[[str], Bus] | None = None,
     job_id: str | None = None,
+    resume: bool = False,
     on_event: Callable[[JobEvent], None] | None = None,
     idle_timeout: float | None = None,
+    interrupt: Interrupt | None = None,
 ) -> dict[str, Any]:
-    """Train `spec` to the end in this process; returns status, per-round history and model."""
+    """Train `spec` to the end in this process; returns status, per-round history and model.
+
+    With `resume`, job `job_id` goes on from its state in `settings.state_dir` (and from what a
+    Ctrl-C kept there); `on_event` first hears the rounds it had done. With `interrupt`, Ctrl-C
+    stops the run in order and raises KeyboardInterrupt.
+    """
+    if resume and job_id is None:
+        raise ValueError("resuming needs the job id")
     job_id = job_id or new_job_id(spec)
-    history: list[dict[str, Any]] = []
+    paused = pause.load(settings.state_dir) if resume and connect is None else None
+    if paused is not None:  # before the scheduler reads its rounds: the pause took no round time
+        pause.shift_deadlines(settings.state_dir, time.time() - paused.paused_at)
+    rounds: dict[int, dict[str, Any]] = {}
     final: dict[str, Any] = {"status": "unknown"}
     started = time.perf_counter()
     with EmbeddedCluster(settings, learners=learners, connect=connect) as cluster:
         follower = JobFollower(cluster.connect(), job_id).start()
+        if interrupt is not None:
+            interrupt.attach(follower)
         try:
-            submit = JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json"))
-            follower.bus.publish(topology.SCHEDULER, to_wire(submit))
-            for event in follower.events(idle_timeout=idle_timeout):
+            if paused is not None:
+                paused.replay(follower.bus)
+            events: Iterable[JobEvent] = follower.events(idle_timeout=idle_timeout)
+            if resume:
+                so_far = _story_so_far(follower.bus, job_id)
+                events = so_far if so_far[-1].kind in TERMINAL else itertools.chain(so_far, events)
+            else:
+                submit = JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json"))
+                follower.bus.publish(topology.SCHEDULER, to_wire(submit))
+            for event in events:
                 if on_event is not None:
                     on_event(event)
-                if event.kind == "round_completed":
-                    history.append(dict(event.data))
+                if event.kind == "round_completed" and event.round is not None:
+                    rounds[event.round] = dict(event.data)
                 elif event.kind in TERMINAL:
                     final = {"status": event.kind, **event.data}
         finally:
@@ -116,6 +166,7 @@ def run_job(
             "reconnects": sum(getattr(s.bus, "reconnects", 0) for _, s in cluster.services()),
             "dead_letters": _merge([s.metrics.dead_letter_counts() for _, s in cluster.services()]),
         }
+    history = [rounds[r] for r in sorted(rounds)]
     return {
         **counters,
         "job_id": job_id,
@@ -125,6 +176,22 @@ def run_job(
         **summarize(history, None if spec.objective is None else spec.objective.model_dump()),
         "history": history,
     }
+
+
+def _story_so_far(bus: Bus, job_id: str) -> list[JobEvent]:
+    """A resumed job's events until now, told again from the scheduler's record of it."""
+    request = to_wire(StatusRequest(job_id=job_id, what="job"))
+    reply = expect(from_wire(bus.request(topology.SCHEDULER, request, timeout=STATUS_TIMEOUT_S)), StatusReply)
+    if reply.error or not reply.jobs:
+        raise ConfigError(f"cannot resume: {reply.error or job_id}")
+    job = reply.jobs[0]
+    events = [JobEvent(job_id=job_id, kind="accepted", rounds=job["rounds"], data={"name": job["name"]})]
+    events += [JobEvent(job_id=job_id, kind="round_completed", round=h["round"], data=h)
+               for h in job.get("history", [])]
+    if job["status"] in TERMINAL:
+        data = {k: job[k] for k in ("reason", "model_path") if job.get(k) is not None}
+        events.append(JobEvent(job_id=job_id, kind=job["status"], round=job["round"], data=data))
+    return events
 
 
 def _merge(counts: list[dict[str, float]]) -> dict[str, int]:

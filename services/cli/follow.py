@@ -21,7 +21,7 @@ class JobFollower:
     def __init__(self, bus: Bus, job_id: str) -> None:
         self.bus = bus
         self.job_id = job_id
-        self._events: queue.SimpleQueue[JobEvent] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[JobEvent | None] = queue.SimpleQueue()  # None: interrupted
         self._thread = threading.Thread(target=bus.run, name="follow", daemon=True)
 
     def start(self) -> JobFollower:
@@ -40,6 +40,10 @@ class JobFollower:
         with contextlib.suppress(DecodeError):
             self._events.put(expect(from_wire(body), JobEvent))
 
+    def interrupt(self) -> None:
+        """Make `events()` raise KeyboardInterrupt; safe from a signal handler (SimpleQueue.put is)."""
+        self._events.put(None)
+
     def events(self, idle_timeout: float | None = None) -> Iterator[JobEvent]:
         """Yield events until a terminal one; TimeoutError if none comes for idle_timeout s."""
         while True:
@@ -47,6 +51,8 @@ class JobFollower:
                 event = self._events.get(timeout=idle_timeout)
             except queue.Empty:
                 raise TimeoutError(f"no news of job {self.job_id} for {idle_timeout}s") from None
+            if event is None:
+                raise KeyboardInterrupt
             yield event
             if event.kind in TERMINAL:
                 return

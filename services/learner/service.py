@@ -54,7 +54,11 @@ class LearnerService:
         # Without a replica index (compose has none) the pid keeps names on one host apart.
         self.name = f"{self.node}/{given}" if given is not None else f"{self.node}/pid{os.getpid()}"
         self.work = Work(settings, self.name, self._fetch, self.metrics)
-        self._tasks: queue.SimpleQueue[tuple[Task, Delivery]] = queue.SimpleQueue()
+        # Picked and checked here, before the process connects anywhere: a bad FEDMQ_DEVICE is a
+        # start-up error, not a learner that joins the fleet and then cannot train.
+        self.work.device = resolve_device(settings.device, self.replica)
+        self._tasks: queue.SimpleQueue[tuple[Task, Delivery] | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
         self._stopping = False
         self._current: Delivery | None = None
         self.redelivered = 0  # tasks that reached this learner marked as redelivered
@@ -69,12 +73,12 @@ class LearnerService:
         return self.work.fetches
 
     def start(self) -> None:
-        self.work.device = resolve_device(self.settings.device, self.replica)
         # torch imports its compiler stack (~2 s here) on the first optimizer it builds:
         # pay that at start-up, not inside the first round.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         # A daemon thread: a stopping process does not wait for a half-done training step.
-        threading.Thread(target=self._work, name=f"train-{self.replica}", daemon=True).start()
+        self._worker = threading.Thread(target=self._work, name=f"train-{self.replica}", daemon=True)
+        self._worker.start()
         self.bus.consume(topology.TASKS, self.on_task, prefetch=1)
         self.bus.call_soon(self._heartbeat)
         log.info("learner_started", learner=self.name, device=str(self.device))
@@ -91,12 +95,19 @@ class LearnerService:
             self.bus.call_later(self.settings.liveness_s, self._heartbeat)
 
     def shutdown(self) -> None:
-        """Stop taking work; safe from a signal handler (it only sets a flag).
+        """Stop taking work; safe from a signal handler (a flag, and SimpleQueue.put, which is).
 
         An unfinished task is neither published nor acked: when the bus stops, its
         connection closes and the broker hands the task to another learner.
         """
         self._stopping = True
+        self._tasks.put(None)  # the training thread ends once its current task has
+
+    def join(self, timeout: float | None = None) -> bool:
+        """After shutdown(): wait for the training thread to end; False if it still trains."""
+        if self._worker is not None:
+            self._worker.join(timeout)
+        return self._worker is None or not self._worker.is_alive()
 
     def on_task(self, delivery: Delivery) -> None:
         try:
@@ -112,9 +123,8 @@ class LearnerService:
         self._tasks.put((task, delivery))
 
     def _work(self) -> None:
-        while True:
-            task, delivery = self._tasks.get()
-            self._run(task, delivery)
+        while (item := self._tasks.get()) is not None and not self._stopping:
+            self._run(*item)
 
     def _run(self, task: Task, delivery: Delivery) -> None:
         # contextvars are per thread: bind here, where the work runs.

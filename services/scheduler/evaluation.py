@@ -1,8 +1,8 @@
 """Federated evaluation and the round record: pure helpers of the scheduler (no torch, no bus).
 
-    RoundClosed(r) ─▶ record ─┬─(federated evaluation due at r)─▶ EvalTask × k ─▶ EvalReports
-                              │                                      ─▶ record.metrics.federated
-                              └─▶ history, best round, event round_completed, round r + 1
+RoundClosed(r) ─▶ record ─┬─(federated evaluation due at r)─▶ EvalTask × k ─▶ EvalReports
+                          │                                      ─▶ record.metrics.federated
+                          └─▶ history, best round, event round_completed, round r + 1
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def combine_reports(reports: dict[int, dict[str, Any]]) -> dict[str, float]:
     return reduce_metrics([(n, m) for n, m in pairs if n > 0], rules)
 
 
-def round_record(msg: RoundClosed, sync: dict[str, float], clients: int, failed: int, seconds: float) -> dict[str, Any]:
+def round_record(
+    msg: RoundClosed, sync: dict[str, float], clients: int, failed: int, seconds: float
+) -> dict[str, Any]:
     """What the history keeps of a closed round."""
     return {
         "round": msg.round,

@@ -49,7 +49,9 @@ def _to_row(job: SchedJob) -> dict[str, Any]:
         "job_id": job.job_id, "raw_spec": job.raw_spec, "status": job.status, "round": job.round,
         "model_digest": job.model_digest, "history": job.history, "reason": job.reason,
         "state": _state_row(job.state), "sync": job.sync, "evaluation": _state_row(job.evaluation),
-        "eval_reports": [[c, r] for c, r in job.eval_reports.items()], "pending": job.pending, "best": job.best,
+        "eval_reports": [[c, r] for c, r in job.eval_reports.items()],
+        "pending": job.pending,
+        "best": job.best,
     }
 
 

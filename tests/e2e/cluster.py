@@ -23,7 +23,8 @@ class Cluster:
         self.url = url
         self.root = root
         self.env = {
-            **os.environ, "FEDMQ_BROKER_URL": url, "FEDMQ_LOG_FORMAT": "json",
+            # On the CPU, as the embedded runs the tests compare with: a GPU gives other last bits.
+            **os.environ, "FEDMQ_BROKER_URL": url, "FEDMQ_LOG_FORMAT": "json", "FEDMQ_DEVICE": "cpu",
             "FEDMQ_LIVENESS_S": "1", "COLUMNS": "200", **(extra_env or {}),
         }
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -92,17 +93,24 @@ class Cluster:
 
 
 @contextmanager
+def services(url: str, root: Path, learners: int = 3, **extra_env: str) -> Iterator[Cluster]:
+    """A scheduler, an aggregator and `learners` learners on the broker at `url`; killed afterwards."""
+    c = Cluster(url, root, extra_env)
+    try:
+        c.start("scheduler")
+        c.start("aggregator")
+        for i in range(learners):
+            c.start("learner", f"learner-{i}", FEDMQ_REPLICA=str(i))
+        yield c
+    finally:
+        for proc in c.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@contextmanager
 def cluster(root: Path, learners: int = 3, **extra_env: str) -> Iterator[Cluster]:
-    with fresh_vhost() as url:
-        c = Cluster(url, root, extra_env)
-        try:
-            c.start("scheduler")
-            c.start("aggregator")
-            for i in range(learners):
-                c.start("learner", f"learner-{i}", FEDMQ_REPLICA=str(i))
-            yield c
-        finally:
-            for proc in c.procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(10)
+    """The services on a fresh vhost of the test broker."""
+    with fresh_vhost() as url, services(url, root, learners, **extra_env) as c:
+        yield c

@@ -1,10 +1,11 @@
 """Tasks that misbehave on purpose, for tests of the round policy: the digits Task with a
-`train` that fails, waits or is gated before it runs fedmq's own loop.
+`train` that fails, waits, records or is gated before it runs fedmq's own loop.
 
 Module-level knobs say when to misbehave (set by a test). `Gated` makes one client's
 training in one round wait for an event the test sets, so a test orders what happens around
 it by events, never by how long something takes. In a learner process (tests/e2e)
-FEDMQ_TEST_TRAIN_GATE names a file: every training waits until it exists.
+FEDMQ_TEST_TRAIN_GATE names a file: every training waits until it exists, except the first
+FEDMQ_TEST_TRAIN_GATE_AFTER trainings of the process (default 0).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from fedmq.tasks.digits import Digits
 
 FAIL_SIZE = [-1]  # `Failing`: the shard size to fail on
 SECONDS = [0.0]  # `Slow`: seconds to sleep before training (a duration to outlast, not an order)
+DEVICES: list[tuple[str, str]] = []  # `Recording`: (device given, device of the trained weights)
 GATE_TIMEOUT_S = 120.0  # long enough for any loaded machine; a bug fails here rather than hangs
 _gates: dict[int, threading.Event] = {}  # by the seed of the training generator: (job seed, round, client)
 _made: list[threading.Event] = []
+_trainings = [0]  # `Gated` trainings in this process
 _lock = threading.Lock()
 
 
@@ -48,6 +51,13 @@ class Failing(Digits):
         return train_with_loss(self, model, data, ctx)
 
 
+class Broken(Digits):
+    """Raises in every training: user code that is simply wrong."""
+
+    def train(self, model: nn.Module, data: Any, ctx: fedmq.TrainContext) -> fedmq.TrainResult:
+        raise RuntimeError("simulated out-of-memory in every client")
+
+
 class Slow(Digits):
     """Sleeps SECONDS before training."""
 
@@ -65,8 +75,11 @@ class Gated(Digits):
             event = _gates.pop(ctx.generator.initial_seed(), None)  # a second attempt does not wait
         if event is not None and not event.wait(GATE_TIMEOUT_S):
             raise RuntimeError(f"the test never opened this training's gate in {GATE_TIMEOUT_S:.0f} s")
+        with _lock:
+            _trainings[0] += 1
+            free = _trainings[0] <= int(os.environ.get("FEDMQ_TEST_TRAIN_GATE_AFTER", "0"))
         gate_file = os.environ.get("FEDMQ_TEST_TRAIN_GATE")
-        if gate_file:
+        if gate_file and not free:
             deadline = time.monotonic() + GATE_TIMEOUT_S
             while not Path(gate_file).exists():
                 if time.monotonic() > deadline:
@@ -75,8 +88,19 @@ class Gated(Digits):
         return train_with_loss(self, model, data, ctx)
 
 
+class Recording(Digits):
+    """Records the device it was given and the device its weights ended on."""
+
+    def train(self, model: nn.Module, data: Any, ctx: fedmq.TrainContext) -> fedmq.TrainResult:
+        result = train_with_loss(self, model, data, ctx)
+        with _lock:
+            DEVICES.append((str(ctx.device), str(next(model.parameters()).device)))
+        return result
+
+
 def reset() -> None:
     FAIL_SIZE[0], SECONDS[0] = -1, 0.0
+    DEVICES.clear()
     with _lock:
         for event in _made:
             event.set()  # nothing may stay blocked after its test

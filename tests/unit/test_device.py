@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedmq.common.bus.memory import MemoryBroker
 from fedmq.common.errors import ConfigError
+from fedmq.common.settings import Settings
 from fedmq.services.learner.device import resolve_device
+from fedmq.services.learner.service import LearnerService
 
 
 def fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
@@ -48,6 +51,16 @@ def test_asking_for_a_missing_gpu_says_what_to_check(monkeypatch: pytest.MonkeyP
     fake_gpus(monkeypatch, 0)
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
         resolve_device("cuda", 0)
+
+
+def test_a_learner_checks_its_device_when_it_is_built_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    fake_gpus(monkeypatch, 1)
+    assert LearnerService(Settings(device="cuda", state_dir=tmp_path), MemoryBroker().connect(),
+                          replica=3).device == torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match="FEDMQ_DEVICE=cuda:1 but only 1 GPU"):
+        LearnerService(Settings(device="cuda:1", state_dir=tmp_path), MemoryBroker().connect())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
