@@ -50,10 +50,12 @@ GOOD = (REPO / "examples" / "digits.yaml").read_text()
          ["train.batch_sise", "did you mean 'batch_size'"]),
         (lambda t: t.replace("lr: 0.05", "lr: -0.05"), ["train.lr", "greater than 0"]),
         (lambda t: t.replace("per_round: 10", "per_round: 11"), ["clients", "per_round (11)", "total (10)"]),
-        (lambda t: t.replace("kind: dirichlet", "kind: dirichet"), ["data.partition", "dirichlet"]),
+        (lambda t: t.replace("kind: dirichlet", "kind: dirichet"), ["task.options.partition", "dirichlet"]),
+        (lambda t: t.replace("hidden: [128]", "hidden: [0]"), ["task.options.model.hidden.0", "greater than 0"]),
+        (lambda t: t.replace("name: digits ", "name: no_such_pkg.tasks:Task "), ["no module named 'no_such_pkg'"]),
         (lambda t: t + "\nrounds: [", ["not valid YAML"]),
     ],
-    ids=["typo", "negative-lr", "per-round-over-total", "unknown-partition", "bad-yaml"],
+    ids=["typo", "negative-lr", "per-round-over-total", "unknown-partition", "bad-option", "no-task", "bad-yaml"],
 )
 def test_a_bad_spec_is_refused_before_anything_runs(tmp_path: Path, edit, expected) -> None:
     state = tmp_path / "state"
@@ -63,6 +65,17 @@ def test_a_bad_spec_is_refused_before_anything_runs(tmp_path: Path, edit, expect
         assert text in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not state.exists(), "nothing may run for a refused spec"
+
+
+@pytest.mark.parametrize("name", ["regression", "gan", "charlm"])
+def test_every_example_runs_with_fedmq_run(tmp_path: Path, name: str) -> None:
+    proc = fedmq("run", f"examples/{name}.yaml", "--rounds", "2", "--json", "--state-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["status"] == "completed" and result["rounds"] == 2
+    objective = result["objective"]["metric"]
+    assert objective in result["final"] and result["best"]["round"] in (0, 1, 2)
+    assert f"best {objective}" in proc.stderr
 
 
 def test_a_missing_spec_file_is_one_clear_line(tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ def finished_job(tmp_path_factory: pytest.TempPathFactory) -> Finished:
     spec.write_text(
         (REPO / "examples" / "digits-100.yaml").read_text()
         .replace("rounds: 30", "rounds: 3").replace("epochs: 5", "epochs: 1")
+        .replace("  name: digits ", "  name: 'tests.integration.train_plugins:WithMargin' ")
     )
     ports = {"scheduler": free_port(), "aggregator": free_port(), "learner-0": free_port(),
              "learner-1": free_port()}
@@ -61,11 +62,27 @@ def finished_job(tmp_path_factory: pytest.TempPathFactory) -> Finished:
             port = str(ports[f"learner-{i}"])
             c.start("learner", f"learner-{i}", FEDMQ_REPLICA=str(i), FEDMQ_METRICS_PORT=port)
         c.wait_learners(2)
-        proc = c.fedmq("submit", str(spec), "--watch")
+        job_id = c.fedmq("submit", str(spec)).stdout.strip()
+        proc = c.fedmq("watch", job_id, "--json")
         assert proc.returncode == 0, proc.stderr
+        status = c.fedmq("status", job_id, "--json")
         samples = {name: scrape(port) for name, port in ports.items()}
         logs = {name: c.log(name) for name in ports}
+    SEEN.update(watch=proc.stderr, watch_json=proc.stdout, status_json=status.stdout)
     return samples, logs
+
+
+SEEN: dict[str, str] = {}  # what the user saw: `watch` (its summary), its --json, `status --json`
+
+
+def test_a_tasks_own_metric_shows_in_watch_status_and_the_aggregators_metrics(finished_job: Finished) -> None:
+    samples, _ = finished_job
+    assert "server.margin: final" in SEEN["watch"]  # the summary watch prints
+    assert "margin" in json.loads(SEEN["watch_json"])["history"][-1]["metrics"]["train"]
+    (job,) = json.loads(SEEN["status_json"])
+    assert "margin" in job["metrics"]["server"] and "margin" in job["history"][-1]["metrics"]["train"]
+    names = {(labels["source"], labels["name"]) for labels, _ in samples["aggregator"]["fedmq_round_metric"]}
+    assert {("server", "margin"), ("train", "margin")} <= names
 
 
 def total(samples: dict[str, Samples], name: str) -> float:

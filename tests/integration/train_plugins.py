@@ -88,6 +88,17 @@ class Gated(Digits):
         return train_with_loss(self, model, data, ctx)
 
 
+class WithMargin(Digits):
+    """Digits reporting a metric of its own: the mean margin of the true class's logit over the next."""
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[Any, dict[str, Any]]:
+        loss, metrics = super().loss(model, batch)
+        logits, y = model(batch[0]).detach(), batch[1]
+        true = logits.gather(1, y[:, None])[:, 0]
+        other = logits.scatter(1, y[:, None], float("-inf")).max(dim=1).values
+        return loss, {**metrics, "margin": (true - other).mean()}
+
+
 class Recording(Digits):
     """Records the device it was given and the device its weights ended on."""
 
