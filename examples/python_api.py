@@ -16,7 +16,9 @@ import fedmq.tasks.digits
 
 class Progress(fedmq.Callback):
     def on_round_end(self, round: int, record: fedmq.RoundRecord) -> None:
-        shown = {f"{s}.{k}": round_to(v) for s, m in record.metrics.items() for k, v in m.items() if s != "train"}
+        shown = {
+            f"{s}.{k}": round_to(v) for s, m in record.metrics.items() for k, v in m.items() if s != "train"
+        }
         print(f"round {round:2d}: train loss {record.get('train.loss') or float('nan'):.4f} {shown or ''}")
 
 
@@ -25,14 +27,16 @@ def round_to(value: float) -> float:
 
 
 def main(broker: str | None = None) -> fedmq.Result:
-    job = fedmq.Job.model_validate({
-        "name": "digits-api",
-        "task": {"name": "digits", "options": {"model": {"name": "mlp", "hidden": [64]}}},
-        "clients": {"total": 10, "per_round": 5},
-        "rounds": 15,
-        "train": {"epochs": 2, "lr": 0.05},
-        "evaluate": {"every": 5, "federated": {"clients": 4}},
-    })
+    job = fedmq.Job.model_validate(
+        {
+            "name": "digits-api",
+            "task": {"name": "digits", "options": {"model": {"name": "mlp", "hidden": [64]}}},
+            "clients": {"total": 10, "per_round": 5},
+            "rounds": 15,
+            "train": {"epochs": 2, "lr": 0.05},
+            "evaluate": {"every": 5, "federated": {"clients": 4}},
+        }
+    )
     result = fedmq.run(job, broker=broker, callbacks=[Progress()])
     print(f"{result.status}: best {result.best}")
     print("federated accuracy by round:", result.metric("federated.accuracy"))

@@ -12,7 +12,9 @@ from tests.e2e.cluster import cluster
 pytestmark = pytest.mark.rabbitmq
 
 
-def test_seed_002_workers_give_the_same_weights_in_process_and_on_rabbitmq(tmp_path: Path, monkeypatch) -> None:
+def test_seed_002_workers_give_the_same_weights_in_process_and_on_rabbitmq(
+    tmp_path: Path, monkeypatch
+) -> None:
     from examples import seed002_worker
 
     monkeypatch.chdir(tmp_path)

@@ -51,11 +51,15 @@ GOOD = (REPO / "examples" / "digits.yaml").read_text()
         (lambda t: t.replace("lr: 0.05", "lr: -0.05"), ["train.lr", "greater than 0"]),
         (lambda t: t.replace("per_round: 10", "per_round: 11"), ["clients", "per_round (11)", "total (10)"]),
         (lambda t: t.replace("kind: dirichlet", "kind: dirichet"), ["task.options.partition", "dirichlet"]),
-        (lambda t: t.replace("hidden: [128]", "hidden: [0]"), ["task.options.model.hidden.0", "greater than 0"]),
-        (lambda t: t.replace("name: digits ", "name: no_such_pkg.tasks:Task "), ["no module named 'no_such_pkg'"]),
+        (lambda t: t.replace("hidden: [128]", "hidden: [0]"),
+         ["task.options.model.hidden.0", "greater than 0"]),
+        (lambda t: t.replace("name: digits ", "name: no_such_pkg.tasks:Task "),
+         ["no module named 'no_such_pkg'"]),
         (lambda t: t + "\nrounds: [", ["not valid YAML"]),
     ],
-    ids=["typo", "negative-lr", "per-round-over-total", "unknown-partition", "bad-option", "no-task", "bad-yaml"],
+    ids=[
+        "typo", "negative-lr", "per-round-over-total", "unknown-partition", "bad-option", "no-task", "bad-yaml",
+    ],
 )
 def test_a_bad_spec_is_refused_before_anything_runs(tmp_path: Path, edit, expected) -> None:
     state = tmp_path / "state"

@@ -56,7 +56,8 @@ def test_three_learners_give_the_same_weights_as_one(settings: Settings, tmp_pat
     [
         {"strategy": {"name": "average"}},
         {"strategy": {"name": "fedavgm", "server_momentum": 0.5}},
-        {"task__options__model": {"name": "cnn", "channels": [8]}, "task__options__partition": {"kind": "shards"}},
+        {"task__options__model": {"name": "cnn", "channels": [8]},
+         "task__options__partition": {"kind": "shards"}},
         {"task__options__partition": {"kind": "iid"}, "train__optimizer": "adam", "train__lr": 0.01},
     ],
     ids=["average", "fedavgm", "cnn-shards", "iid-adam"],

@@ -57,8 +57,11 @@ class Perplexity(fedmq.Task):
 
 def test_federated_metrics_combine_by_the_tasks_rules(settings: Any) -> None:
     spec = small_job(
-        task={"name": f"{__name__}:Perplexity"}, clients={"total": 3}, rounds=1,
-        evaluate={"server": False, "federated": {"clients": 3}}, objective={"metric": "federated.perplexity", "mode": "min"},
+        task={"name": f"{__name__}:Perplexity"},
+        clients={"total": 3},
+        rounds=1,
+        evaluate={"server": False, "federated": {"clients": 3}},
+        objective={"metric": "federated.perplexity", "mode": "min"},
     )
     result = run_job(spec, settings, idle_timeout=60)
     assert result["status"] == "completed"
@@ -66,4 +69,8 @@ def test_federated_metrics_combine_by_the_tasks_rules(settings: Any) -> None:
     expected = math.exp((2 * math.log(1) + 3 * math.log(2) + 4 * math.log(3)) / 9)
     assert federated["perplexity"] == pytest.approx(expected)
     assert federated["seen"] == 9
-    assert result["best"] == {"round": 1, "value": pytest.approx(expected), "model_digest": result["model_digest"]}
+    assert result["best"] == {
+        "round": 1,
+        "value": pytest.approx(expected),
+        "model_digest": result["model_digest"],
+    }

@@ -25,7 +25,8 @@ def example(name: str, **changes: object) -> fedmq.Job:
 def test_federated_regression_is_as_good_as_training_on_the_pooled_data(tmp_path: Path) -> None:
     federated = fedmq.run(example("regression"), state_dir=tmp_path / "fl")
     pooled = fedmq.run(
-        example("regression", clients={"total": 1, "per_round": 1, "min_fit": 1}), state_dir=tmp_path / "central"
+        example("regression", clients={"total": 1, "per_round": 1, "min_fit": 1}),
+        state_dir=tmp_path / "central",
     )
     assert federated.ok and pooled.ok
     r2, central = federated.final.get("server.r2"), pooled.final.get("server.r2")  # type: ignore[union-attr]
@@ -94,9 +95,12 @@ def user_lines(path: Path, names: tuple[str, ...]) -> int:
     for node in tree.body:
         if isinstance(node, ast.ClassDef | ast.FunctionDef) and node.name in names:
             docstrings = {
-                n.body[0].lineno for n in ast.walk(node)
-                if isinstance(n, ast.ClassDef | ast.FunctionDef) and n.body
-                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)
+                n.body[0].lineno
+                for n in ast.walk(node)
+                if isinstance(n, ast.ClassDef | ast.FunctionDef)
+                and n.body
+                and isinstance(n.body[0], ast.Expr)
+                and isinstance(n.body[0].value, ast.Constant)
             }
             for number in range(node.lineno, (node.end_lineno or node.lineno) + 1):
                 text = lines[number - 1].strip()

@@ -16,7 +16,9 @@ EXAMPLES = ["digits", "regression", "gan", "charlm"]
 
 def short(name: str) -> JobSpec:
     spec = load_job(REPO / "examples" / f"{name}.yaml")
-    return spec.with_changes(rounds=2, clients={"total": min(spec.clients.total, 6), "per_round": None, "min_fit": None})
+    return spec.with_changes(
+        rounds=2, clients={"total": min(spec.clients.total, 6), "per_round": None, "min_fit": None}
+    )
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -251,7 +251,7 @@ def test_a_malformed_task_reference_is_refused() -> None:
         ({"seed": 1.5}, "  - seed: Input should be a valid integer"),
         ({"train": {"lr": "fast"}}, "  - train.lr: Input should be a valid number"),
         ({"clients": [4]}, "  - clients: Input should be a valid dictionary"),
-        ({"task": {"name": "digits", "options": [1]}}, "  - task.options: Input should be a valid dictionary"),
+        ({"task": {"name": "digits", "options": [1]}}, "  - task.options: Input should be a valid dict"),
         ({"name": ["a"]}, "  - name: Input should be a valid string"),
     ],
 )
