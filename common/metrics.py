@@ -26,7 +26,7 @@ UPDATE_REASONS = (
 MESSAGE_REASONS = (
     *UPDATE_REASONS, "invalid_spec", "unexpected_type", "blob", "oversize", "handler_error", "other"
 )
-FAILURE_CODES = ("invalid", "error")
+FAILURE_CODES = ("user_code", "invalid", "error")
 
 
 def reason_label(reason: str) -> str:

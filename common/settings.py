@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(120.0, gt=0, description="model fetch and publish timeout")
     retry_initial_s: float = Field(0.5, gt=0, description="first reconnect backoff")
     retry_max_s: float = Field(30.0, gt=0, description="reconnect backoff cap")
+    job_start_timeout_s: float = Field(
+        300.0, gt=0, description="a job whose first round has not started by then fails (scheduler)"
+    )
     torch_threads: int = Field(
         0, ge=0, description="torch threads; 0: one per service process, a share of the cores in `fedmq run`"
     )

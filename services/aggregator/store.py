@@ -63,16 +63,19 @@ class JobStore:
 
     # -- checkpoints ----------------------------------------------------------
 
-    def save_checkpoint(
+    def write_checkpoint(
         self, server_round: int, state: Mapping[str, torch.Tensor], extra: Mapping[str, torch.Tensor]
     ) -> str:
-        """Store the round's global weights (and strategy state) under their digest."""
+        """Store global weights (and strategy state) under their digest; not yet the job's round."""
         digest = codec.state_digest(state)
         tensors = {f"w.{k}": v for k, v in state.items()} | {f"s.{k}": v for k, v in extra.items()}
         save_state(self.checkpoint_path(digest), tensors, {"round": str(server_round)})
+        return digest
+
+    def commit_round(self, server_round: int, digest: str) -> None:
+        """Make `digest` the round's global model: the point from which a restart resumes."""
         rounds = self.rounds() | {server_round: digest}
         _atomic_write(self.root / "rounds.json", json.dumps(rounds, sort_keys=True).encode())
-        return digest
 
     def load_checkpoint(self, digest: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         tensors, _ = load_state(self.checkpoint_path(digest))

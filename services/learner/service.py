@@ -3,7 +3,9 @@
 Ack policy: a task is acked only after its ClientUpdate (or ClientFailure) is
 published, so a learner that dies mid-task leaves the task to be redelivered.
 An undecodable task is dead-lettered. On shutdown an unfinished task is
-returned to the queue.
+returned to the queue. User code that raises (loading data, building the model,
+training) is a ClientFailure with code `user_code` and the error's phase, type
+and message; the job's `clients.on_error` decides whether it fails the job.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from fedmq.common.messages import (
     ModelGet,
     ModelReply,
     TrainTask,
+    UserError,
     expect,
     from_wire,
     to_wire,
@@ -39,6 +42,7 @@ from fedmq.common.messages import (
 from fedmq.common.metrics import Metrics
 from fedmq.common.seeding import torch_generator
 from fedmq.common.settings import Settings
+from fedmq.common.usercode import UserCodeError, user_code
 from fedmq.common.workloads.datasets import load_dataset
 from fedmq.common.workloads.models import build_model
 from fedmq.common.workloads.partition import partition
@@ -136,6 +140,11 @@ class LearnerService:
         with structlog.contextvars.bound_contextvars(job=task.job_id, round=task.round, client=task.client):
             try:
                 reply = self._train(task)
+            except UserCodeError as exc:
+                log.warning("user_code_failed", phase=exc.phase, error_type=exc.error_type,
+                            error=exc.message[:300])
+                error = exc.info("learner", round=task.round, client=task.client, learner=self.name)
+                reply = self._failure(task, "user_code", error.line(), error)
             except FedmqError as exc:
                 log.warning("task_failed", error=str(exc))
                 reply = self._failure(task, "invalid", str(exc))
@@ -162,12 +171,14 @@ class LearnerService:
         ctx.model.load_state_dict(weights)
         indices = torch.from_numpy(ctx.parts[task.client])
         generator = torch_generator(ctx.spec.seed, "train", task.round, task.client)
-        train_fn = train_local
-        if ctx.spec.train.entrypoint:
-            train_fn = load_entrypoint(ctx.spec.train.entrypoint)
-        metrics = train_fn(
-            ctx.model, ctx.x[indices], ctx.y[indices], ctx.spec.train, generator, self.device
-        )
+        with user_code("train", round=task.round, client=task.client):
+            train_fn = train_local
+            if ctx.spec.train.entrypoint:
+                train_fn = load_entrypoint(ctx.spec.train.entrypoint)
+            metrics = train_fn(
+                ctx.model, ctx.x[indices], ctx.y[indices], ctx.spec.train, generator, self.device
+            )
+            metrics = {k: float(v) for k, v in metrics.items()}
         state = {k: v.detach().to("cpu", copy=True) for k, v in ctx.model.state_dict().items()}
         seconds = time.perf_counter() - started
         self.metrics.train_seconds.observe(seconds)
@@ -180,17 +191,19 @@ class LearnerService:
             client=task.client,
             base_digest=task.model_digest,
             num_examples=len(indices),
-            metrics={k: float(v) for k, v in metrics.items()},
+            metrics=metrics,
             train_seconds=seconds,
             learner=self.name,
             weights=state,
         )
         return topology.AGGREGATOR, to_wire(update)
 
-    def _failure(self, task: TrainTask, code: str, reason: str) -> tuple[str, bytes]:
+    def _failure(
+        self, task: TrainTask, code: str, reason: str, error: UserError | None = None
+    ) -> tuple[str, bytes]:
         failure = ClientFailure(
             job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
-            code=code, reason=reason[:500], learner=self.name,
+            code=code, reason=reason[:500], learner=self.name, error=error,
         )
         return topology.SCHEDULER, to_wire(failure)
 
@@ -199,9 +212,11 @@ class LearnerService:
         ctx = self._contexts.get(key)
         if ctx is None:
             spec = parse_job(task.spec)
-            data = load_dataset(spec.data, spec.seed)
-            parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
-            model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
+            with user_code("load_data", round=task.round, client=task.client):
+                data = load_dataset(spec.data, spec.seed)
+                parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
+            with user_code("build_model", round=task.round, client=task.client):
+                model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
             ctx = JobContext(spec, torch.tensor(data.x_train), torch.tensor(data.y_train),
                              parts, model.to(self.device))
             self._contexts[key] = ctx

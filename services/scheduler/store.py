@@ -56,6 +56,7 @@ def _to_row(job: SchedJob) -> dict[str, Any]:
     return {
         "job_id": job.job_id, "raw_spec": job.raw_spec, "status": job.status, "round": job.round,
         "model_digest": job.model_digest, "history": job.history, "reason": job.reason, "state": state,
+        "error": job.error, "accepted_at": job.accepted_at,
     }
 
 
