@@ -2,17 +2,18 @@
 
     fedmq.aggregator ─▶ on_message: decode, then by type
         JobCreate     create_job     ─▶ RoundClosed (round 0) ─▶ scheduler
-        RoundOpen     open_round
-        ClientUpdate  accept_update  ─▶ UpdateAccepted ─▶ scheduler
+        RoundOpen     open_round     ─▶ UpdateAccepted for updates that came before it
+        ClientUpdate  accept_update  ─▶ UpdateAccepted ─▶ scheduler (or kept until its RoundOpen)
         RoundClose    close_round    ─▶ RoundClosed ─▶ scheduler
     fedmq.model ─▶ serving.ModelServer ─▶ ModelReply ─▶ the learner that asked
 
 Ack policy: every message on fedmq.aggregator is acked after its effect is on
-disk and its reply published; a message that fails decoding or validation is
-rejected (dead-lettered) with the reason; a duplicate update is acked with no
-effect. User code that raises (building, loading data, evaluating) fails the
-job: a JobFailed naming phase, type and message goes to the scheduler and the
-message is acked. ModelGet requests are answered by serving.ModelServer.
+disk and its reply published; an update that came before its round's RoundOpen
+is acked once on disk and announced when the round opens. A message that fails
+decoding or validation is rejected (dead-lettered) with the reason; a duplicate
+update is acked with no effect. User code that raises (building, loading data,
+evaluating) fails the job: a JobFailed naming phase, type and message goes to
+the scheduler and the message is acked. ModelGet requests are answered by serving.ModelServer.
 """
 
 from __future__ import annotations
@@ -149,16 +150,39 @@ class AggregatorService:
         self._report(closed)
 
     def open_round(self, msg: RoundOpen) -> None:
+        """Open the round, take in the updates that came before it, and announce every stored one."""
         job = self._job(msg.job_id)
         if msg.round != job.round + 1:
             raise ValidationError("stale_round", f"round {msg.round} opened after round {job.round}")
         job.store.save_json("open", {"round": msg.round, "clients": sorted(msg.clients)})
         job.open_round, job.expected = msg.round, set(msg.clients)
-        log.info("round_opened", clients=len(msg.clients))
+        for client in job.store.early_clients(msg.round):
+            if client in job.expected:
+                job.store.adopt_early(msg.round, client)
+                self.metrics.updates_accepted.inc()
+            else:
+                log.warning("update_rejected", reason="unknown_client", client=client, early=True)
+                self.metrics.updates_rejected.labels("unknown_client").inc()
+        job.store.drop_early(msg.round)
+        # Announced here, not on arrival; again if this RoundOpen is redelivered (counted once).
+        for client in job.store.stored_clients(msg.round):
+            fields = job.store.read_update(msg.round, client).fields
+            self._publish(UpdateAccepted(
+                job_id=job.job_id, round=msg.round, client=client,
+                num_examples=int(fields["num_examples"]), metrics=dict(fields.get("metrics", {})),
+            ))
+        log.info("round_opened", clients=len(msg.clients), stored=len(job.store.stored_clients(msg.round)))
 
     def accept_update(self, msg: ClientUpdate, delivery: Delivery) -> None:
-        """Store a sound update before saying so; a redelivered one is only announced again."""
+        """Store a sound update before saying so; a redelivered one is only announced again.
+
+        An update for the round after the last closed one, before its RoundOpen arrives (broker
+        flow control can order them so), is checked and kept on disk; the RoundOpen announces it.
+        """
         job = self._job(msg.job_id)
+        if job.open_round is None and msg.round == job.round + 1:
+            self._accept_early(job, msg, delivery)
+            return
         if job.open_round != msg.round:
             raise ValidationError("stale_round", f"round {msg.round} is not open")
         if msg.client not in job.expected:
@@ -176,6 +200,15 @@ class AggregatorService:
         self._accepted(msg)
         self.metrics.updates_accepted.inc()
         log.info("update_accepted", examples=msg.num_examples, learner=msg.learner)
+
+    def _accept_early(self, job: AggJob, msg: ClientUpdate, delivery: Delivery) -> None:
+        if msg.client >= job.spec.clients.total:
+            raise ValidationError("unknown_client", f"client {msg.client} of {job.spec.clients.total}")
+        if msg.base_digest != job.digest:
+            raise ValidationError("stale_model", "trained on another round's weights")
+        check_update(msg, job.weights, max_examples=job.train_size)
+        job.store.put_early(msg.round, msg.client, delivery.body_path or delivery.body)
+        log.info("update_early", examples=msg.num_examples, learner=msg.learner)
 
     def close_round(self, msg: RoundClose) -> None:
         job = self._job(msg.job_id)

@@ -6,6 +6,7 @@
         open.json, closed.json         the open round's clients; the last RoundClosed sent
         checkpoints/<digest>.safetensors
         updates/r<round>/c<client>.msg raw ClientUpdate bodies, until the round closes
+        early/r<round>/c<client>.msg   updates that came before their round's RoundOpen
 
 An accepted update is written before it is acknowledged, so the round's
 results survive a restart, and a client's file exists at most once: that is
@@ -96,13 +97,7 @@ class JobStore:
 
     def put_update(self, server_round: int, client: int, body: bytes | Path) -> None:
         """Keep an update's body (moving it if it is a file); once it exists it is stored."""
-        dest = self._update_path(server_round, client)
-        if isinstance(body, Path):
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(body, dest)  # the spool file was fsynced when it was received
-            _fsync_dir(dest.parent)
-        else:
-            _atomic_write(dest, body)
+        _put(self._update_path(server_round, client), body)  # a spool file was fsynced on receipt
 
     def read_update(self, server_round: int, client: int) -> codec.TensorFile:
         """A stored update: its other fields decoded, its weights read from disk only when accessed."""
@@ -110,6 +105,47 @@ class JobStore:
 
     def drop_updates(self, server_round: int) -> None:
         shutil.rmtree(self.root / "updates" / f"r{server_round}", ignore_errors=True)
+
+    def stored_clients(self, server_round: int) -> list[int]:
+        """The clients whose update for the round is stored, in order."""
+        return _clients(self.root / "updates" / f"r{server_round}")
+
+    # -- updates ahead of their round ---------------------------------------------
+
+    def _early_path(self, server_round: int, client: int) -> Path:
+        return self.root / "early" / f"r{server_round}" / f"c{client}.msg"
+
+    def put_early(self, server_round: int, client: int, body: bytes | Path) -> None:
+        """Keep an update whose round is not open here yet; a later copy replaces it."""
+        _put(self._early_path(server_round, client), body)
+
+    def early_clients(self, server_round: int) -> list[int]:
+        return _clients(self.root / "early" / f"r{server_round}")
+
+    def adopt_early(self, server_round: int, client: int) -> None:
+        """The round opened with this client: its early update becomes a stored one."""
+        dest = self._update_path(server_round, client)
+        if not dest.exists():
+            _put(dest, self._early_path(server_round, client))
+
+    def drop_early(self, server_round: int) -> None:
+        shutil.rmtree(self.root / "early" / f"r{server_round}", ignore_errors=True)
+
+
+def _put(dest: Path, body: bytes | Path) -> None:
+    """Write bytes atomically, or move a file (already fsynced) into place, durably."""
+    if isinstance(body, Path):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(body, dest)
+        _fsync_dir(dest.parent)
+    else:
+        _atomic_write(dest, body)
+
+
+def _clients(folder: Path) -> list[int]:
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.stem[1:]) for p in folder.glob("c*.msg") if p.stem[1:].isdigit())
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

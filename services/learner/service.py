@@ -3,7 +3,8 @@
 Ack policy: a task is acked only after its ClientUpdate (or ClientFailure) is
 published, so a learner that dies mid-task leaves the task to be redelivered.
 An undecodable task is dead-lettered. On shutdown an unfinished task is
-returned to the queue. User code that raises (loading data, building the model,
+returned to the queue, and so is a task whose model fetch the broker lost
+FETCH_ATTEMPTS times (never a client's failure). User code that raises (loading data, building the model,
 training) is a ClientFailure with code `user_code` and the error's phase, type
 and message; the job's `clients.on_error` decides whether it fails the job.
 """
@@ -25,7 +26,7 @@ from torch import nn
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
-from fedmq.common.errors import DecodeError, FedmqError
+from fedmq.common.errors import BrokerUnavailable, DecodeError, FedmqError
 from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
 from fedmq.common.messages import (
     ClientFailure,
@@ -53,6 +54,7 @@ from fedmq.services.learner.training import train_local
 log = structlog.get_logger("fedmq.learner")
 
 MODEL_CACHE = 2  # the current round's weights, and the previous one for stragglers
+FETCH_ATTEMPTS = 5  # model fetches lost to the broker before the task goes back to the queue
 
 
 @dataclass
@@ -139,7 +141,13 @@ class LearnerService:
         # contextvars are per thread: bind here, where the work runs.
         with structlog.contextvars.bound_contextvars(job=task.job_id, round=task.round, client=task.client):
             try:
-                reply = self._train(task)
+                reply = self._train_retrying(task)
+            except BrokerUnavailable as exc:
+                # The broker's trouble, not the client's: the task goes back, nothing is reported.
+                log.warning("task_returned", error=str(exc)[:300])
+                self._current = None
+                delivery.requeue()
+                return
             except UserCodeError as exc:
                 log.warning("user_code_failed", phase=exc.phase, error_type=exc.error_type,
                             error=exc.message[:300])
@@ -163,6 +171,20 @@ class LearnerService:
                 return
             self._current = None
             delivery.ack()
+
+    def _train_retrying(self, task: TrainTask) -> tuple[str, bytes]:
+        """Train; a model fetch lost to the broker is tried again after a backoff, then given up."""
+        delay = self.settings.retry_initial_s
+        for _ in range(FETCH_ATTEMPTS - 1):
+            try:
+                return self._train(task)
+            except BrokerUnavailable as exc:
+                if self._stopping:
+                    raise
+                log.warning("model_fetch_retry", error=str(exc)[:300], retry_in_s=round(delay, 2))
+                time.sleep(delay)  # the training thread: the bus thread keeps the connection alive
+                delay = min(delay * 2, self.settings.retry_max_s)
+        return self._train(task)
 
     def _train(self, task: TrainTask) -> tuple[str, bytes]:
         ctx = self._context(task)
@@ -232,7 +254,10 @@ class LearnerService:
             self._models.move_to_end(task.model_digest)
             return weights
         request = to_wire(ModelGet(job_id=task.job_id, digest=task.model_digest))
-        body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
+        try:
+            body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
+        except Exception as exc:  # lost connection, no reply in time, not connected: the transport's
+            raise BrokerUnavailable(f"model fetch failed: {type(exc).__name__}: {exc}") from exc
         reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ModelReply)
         if reply.error or reply.weights is None:
             raise FedmqError(f"model {task.model_digest[:12]} unavailable: {reply.error}")
