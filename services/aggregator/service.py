@@ -13,7 +13,9 @@ is acked once on disk and announced when the round opens. A message that fails
 decoding or validation is rejected (dead-lettered) with the reason; a duplicate
 update is acked with no effect. User code that raises (building, loading data,
 evaluating) fails the job: a JobFailed naming phase, type and message goes to
-the scheduler and the message is acked. ModelGet requests are answered by serving.ModelServer.
+the scheduler and the message is acked. A state write that fails (disk full)
+leaves the message unacked, to be handled again after a backoff (stateretry).
+ModelGet requests are answered by serving.ModelServer.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import structlog
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
-from fedmq.common.errors import DecodeError, FedmqError, ValidationError
+from fedmq.common.errors import DecodeError, FedmqError, StateUnwritable, ValidationError
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientUpdate,
@@ -43,6 +45,8 @@ from fedmq.common.messages import (
 )
 from fedmq.common.metrics import Metrics, reason_label
 from fedmq.common.settings import Settings
+from fedmq.common.statefiles import remove_temps
+from fedmq.common.stateretry import StateRetry
 from fedmq.common.usercode import UserCodeError
 from fedmq.services.aggregator.jobs import AggJob, new_job, restore_job, rewind, stored_jobs
 from fedmq.services.aggregator.rounds import close_round, initial_round
@@ -60,11 +64,14 @@ class AggregatorService:
         self.root = Path(settings.state_dir) / "aggregator"
         self.jobs: dict[str, AggJob] = {}
         self.models = ModelServer(bus, self.jobs)
+        self.retry = StateRetry(bus, self.metrics, settings)
 
     def start(self) -> None:
         # Updates bigger than a frame are received straight into files: memory holds one chunk.
         # Files a previous run left half-received belong to messages the broker still holds.
         shutil.rmtree(self.root / "spool", ignore_errors=True)
+        if removed := remove_temps(self.root):  # what a crash left mid-write: never read, only in the way
+            log.info("temp_files_removed", count=removed)
         for job_id in stored_jobs(self.root):
             try:
                 job = restore_job(self.root, job_id)
@@ -89,6 +96,10 @@ class AggregatorService:
                 job=msg.job_id, round=getattr(msg, "round", None), client=getattr(msg, "client", None)
             ):
                 self._handle(msg, delivery)
+        except StateUnwritable as exc:
+            # Not the message's fault: keep it unacked (the queue waits) and handle it again later.
+            self.retry.later(exc, functools.partial(self.on_message, delivery))
+            return
         except UserCodeError as exc:
             self._user_code_failed(msg.job_id, exc, getattr(msg, "round", 0))
         except (DecodeError, ValidationError) as exc:
@@ -97,6 +108,7 @@ class AggregatorService:
                 self.metrics.updates_rejected.labels(reason_label(reason)).inc()
             self._reject(delivery, reason, getattr(exc, "detail", str(exc)))
             return
+        self.retry.succeeded()
         delivery.ack()
 
     def _decode(self, delivery: Delivery) -> Message:

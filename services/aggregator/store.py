@@ -13,14 +13,14 @@ results survive a restart, and a client's file exists at most once: that is
 what makes a redelivered update change nothing. At close the updates are read
 back one at a time in client order (bounded memory, order-independent result).
 
-This module is the layout and its durability (atomic writes, fsync) only: what
-the files mean to a round is the business of the modules that read them.
+This module is the layout only; every write goes through common/statefiles (whole
+or not at all, fsynced, a failure raised as StateUnwritable). What the files mean
+to a round is the business of the modules that read them.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fedmq.common import codec
+from fedmq.common import codec, statefiles
 from fedmq.common.checkpoint import load_state, save_state
 
 
@@ -42,7 +42,7 @@ class JobStore:
     # -- spec and round index -------------------------------------------------
 
     def save_spec(self, spec_json: str) -> None:
-        _atomic_write(self.root / "spec.json", spec_json.encode())
+        statefiles.atomic_write(self.root / "spec.json", spec_json.encode())
 
     def rounds(self) -> dict[int, str]:
         path = self.root / "rounds.json"
@@ -56,7 +56,7 @@ class JobStore:
 
     def save_json(self, name: str, value: dict[str, Any]) -> None:
         """Small records that let a restarted aggregator pick up: the open round, the last close."""
-        _atomic_write(self.root / f"{name}.json", json.dumps(value).encode())
+        statefiles.atomic_write(self.root / f"{name}.json", json.dumps(value).encode())
 
     def load_json(self, name: str) -> dict[str, Any] | None:
         path = self.root / f"{name}.json"
@@ -76,7 +76,7 @@ class JobStore:
     def commit_round(self, server_round: int, digest: str) -> None:
         """Make `digest` the round's global model: the point from which a restart resumes."""
         rounds = self.rounds() | {server_round: digest}
-        _atomic_write(self.root / "rounds.json", json.dumps(rounds, sort_keys=True).encode())
+        statefiles.atomic_write(self.root / "rounds.json", json.dumps(rounds, sort_keys=True).encode())
 
     def load_checkpoint(self, digest: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         tensors, _ = load_state(self.checkpoint_path(digest))
@@ -133,36 +133,14 @@ class JobStore:
 
 
 def _put(dest: Path, body: bytes | Path) -> None:
-    """Write bytes atomically, or move a file (already fsynced) into place, durably."""
+    """Write bytes, or move a file already fsynced (a spooled update), into place."""
     if isinstance(body, Path):
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(body, dest)
-        _fsync_dir(dest.parent)
+        statefiles.move_into(body, dest)
     else:
-        _atomic_write(dest, body)
+        statefiles.atomic_write(dest, body)
 
 
 def _clients(folder: Path) -> list[int]:
     if not folder.is_dir():
         return []
     return sorted(int(p.stem[1:]) for p in folder.glob("c*.msg") if p.stem[1:].isdigit())
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -18,9 +18,11 @@ import structlog
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
+from fedmq.common.errors import StateUnwritable
 from fedmq.common.messages import EventKind, JobEvent, RoundClose, RoundOpen, TrainTask, to_wire
 from fedmq.common.metrics import Metrics
 from fedmq.common.settings import Settings
+from fedmq.common.stateretry import StateRetry
 from fedmq.services.scheduler.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, SchedJob
 from fedmq.services.scheduler.rounds import Decision, RoundState
 from fedmq.services.scheduler.sampling import sample_clients
@@ -37,6 +39,7 @@ class JobLoop:
     metrics: Metrics
     jobs: dict[str, SchedJob]
     rows: JobRows
+    retry: StateRetry
 
     def start_round(self, job: SchedJob, server_round: int) -> None:
         """Open a round. Everything is published before the job's state moves on, so a
@@ -102,7 +105,14 @@ class JobLoop:
         job = self.jobs.get(job_id)
         if job and job.status == RUNNING and job.state and job.state.round == server_round:
             self._advance(job)
+            self._save(job)
+
+    def _save(self, job: SchedJob) -> None:
+        """Persist what a timer changed (no message will come again): retried until the disk takes it."""
+        try:
             self.rows.save(job)
+        except StateUnwritable as exc:
+            self.retry.later(exc, functools.partial(self._save, job))
 
     def _advance(self, job: SchedJob) -> None:
         state = job.state
@@ -157,7 +167,7 @@ class JobLoop:
             "(is `fedmq aggregator` running on this broker and vhost? its log says why); "
             "FEDMQ_JOB_START_TIMEOUT_S sets this limit"
         ))
-        self.rows.save(job)
+        self._save(job)
 
     def _finish(
         self, job: SchedJob, status: str, reason: str, error: dict[str, Any] | None = None, **data: Any

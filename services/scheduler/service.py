@@ -8,7 +8,9 @@ visibly so `fedmq watch` can say why. The round loop itself is loop.JobLoop.
 Failures: a JobFailed (the aggregator's user code raised, or its spec failed) ends
 the job with its reason; a ClientFailure carrying a user-code error ends it too,
 naming client, round, phase, type and message, unless the job's
-`clients.on_error` is `drop_client` (then the client only costs quorum).
+`clients.on_error` is `drop_client` (then the client only costs quorum). A job's
+row that cannot be written (disk or database full) leaves its message unacked, to
+be handled again after a backoff (stateretry).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import structlog
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
-from fedmq.common.errors import ConfigError, DecodeError, ValidationError
+from fedmq.common.errors import ConfigError, DecodeError, StateUnwritable, ValidationError
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientFailure,
@@ -41,6 +43,7 @@ from fedmq.common.messages import (
 )
 from fedmq.common.metrics import Metrics, reason_label
 from fedmq.common.settings import Settings
+from fedmq.common.stateretry import StateRetry
 from fedmq.services.scheduler.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, SchedJob
 from fedmq.services.scheduler.loop import JobLoop
 from fedmq.services.scheduler.registry import Registry
@@ -58,6 +61,7 @@ class SchedulerService(JobLoop):
         self.jobs: dict[str, SchedJob] = {}
         self.registry = Registry(master_node=settings.master_node)
         self.rows = JobRows(Path(settings.state_dir) / "scheduler" / "jobs.sqlite")
+        self.retry = StateRetry(bus, self.metrics, settings)
 
     def start(self) -> None:
         self.rows.open()
@@ -109,11 +113,16 @@ class SchedulerService(JobLoop):
                 self._handle(msg)
             if msg.job_id in self.jobs:
                 self.rows.save(self.jobs[msg.job_id])  # durable before the ack
+        except StateUnwritable as exc:
+            # Handled again later (handlers are idempotent) and acked once its row is on disk.
+            self.retry.later(exc, functools.partial(self.on_message, delivery))
+            return
         except (DecodeError, ValidationError) as exc:
             reason = exc.reason if isinstance(exc, ValidationError) else "decode"
             log.warning("message_rejected", reason=reason, detail=str(exc)[:500])
             delivery.reject(str(exc) if isinstance(exc, ValidationError) else f"decode: {exc}")
             return
+        self.retry.succeeded()
         delivery.ack()
 
     def _gauge_fleet(self) -> None:
