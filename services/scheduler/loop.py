@@ -34,6 +34,8 @@ NUDGE_BEFORE = 0.2  # re-dispatch missing tasks when this share of the round's t
 
 
 class JobLoop:
+    """Rounds, deadlines and the end of every job; SchedulerService supplies the attributes below."""
+
     settings: Settings
     bus: Bus
     metrics: Metrics
