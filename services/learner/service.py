@@ -3,7 +3,10 @@
 Ack policy: a task is acked only after its ClientUpdate (or ClientFailure) is
 published, so a learner that dies mid-task leaves the task to be redelivered.
 An undecodable task is dead-lettered. On shutdown an unfinished task is
-returned to the queue.
+returned to the queue, and so is a task whose model fetch the broker lost
+FETCH_ATTEMPTS times (never a client's failure). User code that raises (loading data, building the model,
+training) is a ClientFailure with code `user_code` and the error's phase, type
+and message; the job's `clients.on_error` decides whether it fails the job.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
-from fedmq.common.errors import DecodeError, FedmqError
+from fedmq.common.errors import BrokerUnavailable, DecodeError, FedmqError
 from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
 from fedmq.common.messages import (
     ClientFailure,
@@ -32,6 +35,7 @@ from fedmq.common.messages import (
     ModelGet,
     ModelReply,
     TrainTask,
+    UserError,
     expect,
     from_wire,
     to_wire,
@@ -39,6 +43,7 @@ from fedmq.common.messages import (
 from fedmq.common.metrics import Metrics
 from fedmq.common.seeding import torch_generator
 from fedmq.common.settings import Settings
+from fedmq.common.usercode import UserCodeError, user_code
 from fedmq.common.workloads.datasets import load_dataset
 from fedmq.common.workloads.models import build_model
 from fedmq.common.workloads.partition import partition
@@ -49,6 +54,7 @@ from fedmq.services.learner.training import train_local
 log = structlog.get_logger("fedmq.learner")
 
 MODEL_CACHE = 2  # the current round's weights, and the previous one for stragglers
+FETCH_ATTEMPTS = 5  # model fetches lost to the broker before the task goes back to the queue
 
 
 @dataclass
@@ -144,7 +150,18 @@ class LearnerService:
         # contextvars are per thread: bind here, where the work runs.
         with structlog.contextvars.bound_contextvars(job=task.job_id, round=task.round, client=task.client):
             try:
-                reply = self._train(task)
+                reply = self._train_retrying(task)
+            except BrokerUnavailable as exc:
+                # The broker's trouble, not the client's: the task goes back, nothing is reported.
+                log.warning("task_returned", error=str(exc)[:300])
+                self._current = None
+                delivery.requeue()
+                return
+            except UserCodeError as exc:
+                log.warning("user_code_failed", phase=exc.phase, error_type=exc.error_type,
+                            error=exc.message[:300])
+                error = exc.info("learner", round=task.round, client=task.client, learner=self.name)
+                reply = self._failure(task, "user_code", error.line(), error)
             except FedmqError as exc:
                 log.warning("task_failed", error=str(exc))
                 reply = self._failure(task, "invalid", str(exc))
@@ -164,6 +181,20 @@ class LearnerService:
             self._current = None
             delivery.ack()
 
+    def _train_retrying(self, task: TrainTask) -> tuple[str, bytes]:
+        """Train; a model fetch lost to the broker is tried again after a backoff, then given up."""
+        delay = self.settings.retry_initial_s
+        for _ in range(FETCH_ATTEMPTS - 1):
+            try:
+                return self._train(task)
+            except BrokerUnavailable as exc:
+                if self._stopping:
+                    raise
+                log.warning("model_fetch_retry", error=str(exc)[:300], retry_in_s=round(delay, 2))
+                time.sleep(delay)  # the training thread: the bus thread keeps the connection alive
+                delay = min(delay * 2, self.settings.retry_max_s)
+        return self._train(task)
+
     def _train(self, task: TrainTask) -> tuple[str, bytes]:
         ctx = self._context(task)
         weights = self._global_weights(task)
@@ -171,12 +202,14 @@ class LearnerService:
         ctx.model.load_state_dict(weights)
         indices = torch.from_numpy(ctx.parts[task.client])
         generator = torch_generator(ctx.spec.seed, "train", task.round, task.client)
-        train_fn = train_local
-        if ctx.spec.train.entrypoint:
-            train_fn = load_entrypoint(ctx.spec.train.entrypoint)
-        metrics = train_fn(
-            ctx.model, ctx.x[indices], ctx.y[indices], ctx.spec.train, generator, self.device
-        )
+        with user_code("train", round=task.round, client=task.client):
+            train_fn = train_local
+            if ctx.spec.train.entrypoint:
+                train_fn = load_entrypoint(ctx.spec.train.entrypoint)
+            metrics = train_fn(
+                ctx.model, ctx.x[indices], ctx.y[indices], ctx.spec.train, generator, self.device
+            )
+            metrics = {k: float(v) for k, v in metrics.items()}
         state = {k: v.detach().to("cpu", copy=True) for k, v in ctx.model.state_dict().items()}
         seconds = time.perf_counter() - started
         self.metrics.train_seconds.observe(seconds)
@@ -189,17 +222,19 @@ class LearnerService:
             client=task.client,
             base_digest=task.model_digest,
             num_examples=len(indices),
-            metrics={k: float(v) for k, v in metrics.items()},
+            metrics=metrics,
             train_seconds=seconds,
             learner=self.name,
             weights=state,
         )
         return topology.AGGREGATOR, to_wire(update)
 
-    def _failure(self, task: TrainTask, code: str, reason: str) -> tuple[str, bytes]:
+    def _failure(
+        self, task: TrainTask, code: str, reason: str, error: UserError | None = None
+    ) -> tuple[str, bytes]:
         failure = ClientFailure(
             job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
-            code=code, reason=reason[:500], learner=self.name,
+            code=code, reason=reason[:500], learner=self.name, error=error,
         )
         return topology.SCHEDULER, to_wire(failure)
 
@@ -208,9 +243,11 @@ class LearnerService:
         ctx = self._contexts.get(key)
         if ctx is None:
             spec = parse_job(task.spec)
-            data = load_dataset(spec.data, spec.seed)
-            parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
-            model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
+            with user_code("load_data", round=task.round, client=task.client):
+                data = load_dataset(spec.data, spec.seed)
+                parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
+            with user_code("build_model", round=task.round, client=task.client):
+                model = build_model(spec.model, data.input_shape, data.num_classes, spec.seed)
             ctx = JobContext(spec, torch.tensor(data.x_train), torch.tensor(data.y_train),
                              parts, model.to(self.device))
             self._contexts[key] = ctx
@@ -226,7 +263,10 @@ class LearnerService:
             self._models.move_to_end(task.model_digest)
             return weights
         request = to_wire(ModelGet(job_id=task.job_id, digest=task.model_digest))
-        body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
+        try:
+            body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
+        except Exception as exc:  # lost connection, no reply in time, not connected: the transport's
+            raise BrokerUnavailable(f"model fetch failed: {type(exc).__name__}: {exc}") from exc
         reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ModelReply)
         if reply.error or reply.weights is None:
             raise FedmqError(f"model {task.model_digest[:12]} unavailable: {reply.error}")

@@ -25,3 +25,5 @@ class SchedJob:
     nudge: Timer | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
+    error: dict[str, Any] | None = None  # where user code raised, when that ended the job
+    accepted_at: float = 0.0  # wall clock: the start deadline counts from here, across restarts

@@ -3,7 +3,14 @@
 Control plane only: no torch. Ack policy: messages on fedmq.scheduler are acked
 once their effect is published; undecodable ones and invalid job specs are
 rejected (dead-lettered) with the reason, and a spec error also fails the job
-visibly so `fedmq watch` can say why.
+visibly so `fedmq watch` can say why. The round loop itself is loop.JobLoop.
+
+Failures: a JobFailed (the aggregator's user code raised, or its spec failed) ends
+the job with its reason; a ClientFailure carrying a user-code error ends it too,
+naming client, round, phase, type and message, unless the job's
+`clients.on_error` is `drop_client` (then the client only costs quorum). A job's
+row that cannot be written (disk or database full) leaves its message unacked, to
+be handled again after a backoff (stateretry).
 """
 
 from __future__ import annotations
@@ -17,42 +24,36 @@ import structlog
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
-from fedmq.common.errors import ConfigError, DecodeError, ValidationError
+from fedmq.common.errors import ConfigError, DecodeError, StateUnwritable, ValidationError
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientFailure,
-    EventKind,
     Heartbeat,
     JobCancel,
     JobCreate,
-    JobEvent,
     JobFailed,
     JobSubmit,
     Message,
     RoundClose,
     RoundClosed,
-    RoundOpen,
     StatusRequest,
-    TrainTask,
     UpdateAccepted,
     from_wire,
     to_wire,
 )
 from fedmq.common.metrics import Metrics, reason_label
 from fedmq.common.settings import Settings
+from fedmq.common.stateretry import StateRetry
 from fedmq.services.scheduler.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, SchedJob
+from fedmq.services.scheduler.loop import JobLoop
 from fedmq.services.scheduler.registry import Registry
-from fedmq.services.scheduler.rounds import Decision, RoundState
-from fedmq.services.scheduler.sampling import sample_clients
 from fedmq.services.scheduler.status import status_reply
 from fedmq.services.scheduler.store import JobRows
 
 log = structlog.get_logger("fedmq.scheduler")
 
-NUDGE_BEFORE = 0.2  # re-dispatch missing tasks when this share of the round's time is left
 
-
-class SchedulerService:
+class SchedulerService(JobLoop):
     def __init__(self, settings: Settings, bus: Bus, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.bus = bus
@@ -60,6 +61,7 @@ class SchedulerService:
         self.jobs: dict[str, SchedJob] = {}
         self.registry = Registry(master_node=settings.master_node)
         self.rows = JobRows(Path(settings.state_dir) / "scheduler" / "jobs.sqlite")
+        self.retry = StateRetry(bus, self.metrics, settings)
 
     def start(self) -> None:
         self.rows.open()
@@ -78,6 +80,7 @@ class SchedulerService:
             if job.state is None:
                 # Created but its initial model never reported: ask again (duplicates are answered).
                 self.bus.call_soon(functools.partial(self._republish_create, job))
+                self._arm_start(job)
             else:
                 self._arm_deadline(job)
                 if job.state.closing:
@@ -110,11 +113,16 @@ class SchedulerService:
                 self._handle(msg)
             if msg.job_id in self.jobs:
                 self.rows.save(self.jobs[msg.job_id])  # durable before the ack
+        except StateUnwritable as exc:
+            # Handled again later (handlers are idempotent) and acked once its row is on disk.
+            self.retry.later(exc, functools.partial(self.on_message, delivery))
+            return
         except (DecodeError, ValidationError) as exc:
             reason = exc.reason if isinstance(exc, ValidationError) else "decode"
             log.warning("message_rejected", reason=reason, detail=str(exc)[:500])
             delivery.reject(str(exc) if isinstance(exc, ValidationError) else f"decode: {exc}")
             return
+        self.retry.succeeded()
         delivery.ack()
 
     def _gauge_fleet(self) -> None:
@@ -151,6 +159,10 @@ class SchedulerService:
                 if job.state and job.state.round == msg.round:
                     job.state.record_update(msg.client, msg.num_examples)
                     self._advance(job)
+            case ClientFailure() if msg.error is not None and job.spec.clients.on_error == "fail_job":
+                log.warning("client_user_code_failed", client=msg.client, phase=msg.error.phase)
+                self.metrics.client_failures.labels(reason_label(msg.code)).inc()
+                self._finish(job, FAILED, msg.error.line(), error=msg.error.model_dump())
             case ClientFailure():
                 if job.state and job.state.round == msg.round:
                     log.warning("client_failed", client=msg.client, code=msg.code, reason=msg.reason)
@@ -158,7 +170,8 @@ class SchedulerService:
                     job.state.record_failure(msg.client, f"{msg.code}: {msg.reason}")
                     self._advance(job)
             case JobFailed():
-                self._finish(job, FAILED, msg.reason)
+                error = None if msg.error is None else msg.error.model_dump()
+                self._finish(job, FAILED, msg.reason, error=error)
             case JobCancel():
                 self._finish(job, CANCELLED, msg.reason)
             case _:
@@ -177,8 +190,9 @@ class SchedulerService:
             raise ValidationError("invalid_spec", str(exc)) from None
         # Publish before remembering: if the publish fails, the redelivered JobSubmit starts over.
         self.bus.publish(topology.AGGREGATOR, to_wire(JobCreate(job_id=msg.job_id, spec=msg.spec)))
-        job = SchedJob(msg.job_id, spec, msg.spec)
+        job = SchedJob(msg.job_id, spec, msg.spec, accepted_at=time.time())
         self.jobs[msg.job_id] = job
+        self._arm_start(job)
         self._event(job.job_id, "accepted", rounds=spec.rounds, data={"name": spec.name})
         log.info("job_accepted", name=spec.name, rounds=spec.rounds, clients=spec.clients.total)
 
@@ -215,120 +229,3 @@ class SchedulerService:
         if msg.round > 0:
             m.rounds_completed.labels(job.job_id).inc()
             m.round_duration.observe(record.get("seconds", 0.0))
-
-    def start_round(self, job: SchedJob, server_round: int) -> None:
-        """Open a round. Everything is published before the job's state moves on, so a
-        publish that fails leaves the RoundClosed that started it to be redelivered and
-        handled again (the aggregator and learners take the repeats as duplicates)."""
-        spec = job.spec
-        clients = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
-        self.bus.publish(
-            topology.AGGREGATOR,
-            to_wire(RoundOpen(job_id=job.job_id, round=server_round, clients=clients)),
-        )
-        self._dispatch(job, server_round, clients)
-        job.round = server_round
-        job.state = RoundState(
-            round=server_round,
-            clients=clients,
-            quorum=spec.clients.quorum,
-            deadline=time.monotonic() + spec.round_timeout_s,
-            retries_left=spec.max_round_retries,
-            started=time.monotonic(),
-        )
-        self._arm_deadline(job)
-        self._event(job.job_id, "round_started", round=server_round, data={"clients": len(clients)})
-
-    def _dispatch(self, job: SchedJob, server_round: int, clients: list[int]) -> None:
-        for client in clients:
-            task = TrainTask(
-                job_id=job.job_id,
-                task_id=f"{job.job_id}:{server_round}:{client}",
-                round=server_round,
-                client=client,
-                model_digest=job.model_digest,
-                spec=job.raw_spec,
-            )
-            self.bus.publish(topology.TASKS, to_wire(task))
-
-    def _arm_deadline(self, job: SchedJob) -> None:
-        for timer in (job.timer, job.nudge):
-            if timer is not None:
-                timer.cancel()
-        assert job.state is not None
-        delay = max(0.0, job.state.deadline - time.monotonic())
-        server_round = job.state.round
-        job.timer = self.bus.call_later(delay, lambda: self._on_deadline(job.job_id, server_round))
-        # Near the deadline, tasks still missing go out again with the same ids: a learner that
-        # froze (no broker redelivery yet) should not cost the round its quorum. Duplicates are ignored.
-        nudge_in = delay - NUDGE_BEFORE * job.spec.round_timeout_s
-        if nudge_in > 0:
-            job.nudge = self.bus.call_later(nudge_in, lambda: self._on_nudge(job.job_id, server_round))
-
-    def _on_nudge(self, job_id: str, server_round: int) -> None:
-        job = self.jobs.get(job_id)
-        if not (job and job.status == RUNNING and job.state and job.state.round == server_round):
-            return
-        missing = [c for c in job.state.missing if c not in job.state.failed]
-        if job.state.closing or not missing:
-            return
-        log.info("round_redispatch", round=server_round, missing=len(missing))
-        self.metrics.tasks_redispatched.inc(len(missing))
-        self._dispatch(job, server_round, missing)
-
-    def _on_deadline(self, job_id: str, server_round: int) -> None:
-        job = self.jobs.get(job_id)
-        if job and job.status == RUNNING and job.state and job.state.round == server_round:
-            self._advance(job)
-            self.rows.save(job)
-
-    def _advance(self, job: SchedJob) -> None:
-        state = job.state
-        assert state is not None
-        decision = state.decide(time.monotonic())
-        if decision is Decision.CLOSE:
-            clients = sorted(state.reported)
-            if len(clients) < len(state.clients):
-                self.metrics.rounds_closed_at_deadline.inc()
-            log.info("round_closing", reported=len(clients), sampled=len(state.clients),
-                     failed=len(state.failed))
-            self.bus.publish(  # first: if it fails, the message that got us here comes again
-                topology.AGGREGATOR,
-                to_wire(RoundClose(job_id=job.job_id, round=state.round, clients=clients)),
-            )
-            state.closing = True
-            for timer in (job.timer, job.nudge):
-                if timer is not None:
-                    timer.cancel()
-        elif decision is Decision.RETRY:
-            missing = state.missing
-            log.warning("round_retry", missing=len(missing), retries_left=state.retries_left - 1)
-            self.metrics.round_retries.inc()
-            try:
-                self._dispatch(job, state.round, missing)
-            except Exception:
-                # A timer has no message to be redelivered: try again shortly.
-                job.timer = self.bus.call_later(1.0, lambda: self._on_deadline(job.job_id, state.round))
-                raise
-            state.retry(time.monotonic() + job.spec.round_timeout_s)
-            self._arm_deadline(job)
-        elif decision is Decision.FAIL:
-            reasons = sorted(set(state.failed.values()))[:3]
-            self._finish(job, FAILED, (
-                f"round {state.round}: {len(state.reported)} of {len(state.clients)} clients "
-                f"reported, quorum is {state.quorum}; failures: {reasons or 'timeouts'}"
-            ))
-
-    def _finish(self, job: SchedJob, status: str, reason: str, **data: Any) -> None:
-        job.status, job.reason = status, reason
-        for timer in (job.timer, job.nudge):
-            if timer is not None:
-                timer.cancel()
-        kind: EventKind = {COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled"}[status]  # type: ignore[assignment]
-        self._event(job.job_id, kind, round=job.round, data={"reason": reason, **data})
-        log.info("job_finished", status=status, reason=reason)
-
-    def _event(self, job_id: str, kind: EventKind, round: int | None = None,
-               rounds: int | None = None, data: dict[str, Any] | None = None) -> None:
-        event = JobEvent(job_id=job_id, kind=kind, round=round, rounds=rounds, data=data or {})
-        self.bus.publish_event(topology.job_topic(job_id), to_wire(event))

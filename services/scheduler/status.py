@@ -44,6 +44,7 @@ def job_summary(job: SchedJob, now: float, history: bool) -> dict[str, Any]:
         "test_accuracy": last.get("test_accuracy"),
         "test_loss": last.get("test_loss"),
         "reason": job.reason,
+        "error": job.error,
         "model_path": last.get("model_path"),
     }
     if job.state is not None and job.status == RUNNING:

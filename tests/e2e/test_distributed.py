@@ -54,7 +54,8 @@ def test_watch_of_a_failing_job_exits_non_zero_with_the_reason(tmp_path: Path) -
         c.wait_learners(1)
         submitted = c.fedmq("submit", str(spec), "--watch")
     assert submitted.returncode == 1
-    assert "quorum" in submitted.stderr and "no_such_pkg" in submitted.stderr
+    # A user's code that cannot even be imported fails the job at once (clients.on_error: fail_job).
+    assert "user code failed in learner train" in submitted.stderr and "no_such_pkg" in submitted.stderr
 
 
 def test_an_unreachable_broker_is_one_clear_line(tmp_path: Path) -> None:

@@ -102,7 +102,8 @@ def test_a_users_plugin_model_dataset_and_trainer_run_end_to_end(settings: Setti
 
 def test_a_failing_client_leaves_the_round_to_close_at_quorum(settings: Settings) -> None:
     spec = small_job(
-        clients__min_fit=4, train__entrypoint="tests.integration.train_plugins:failing", rounds=2
+        clients__min_fit=4, clients__on_error="drop_client", rounds=2,
+        train__entrypoint="tests.integration.train_plugins:failing",
     )
     data = load_dataset(spec.data, spec.seed)
     parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)
@@ -118,7 +119,8 @@ def test_a_failing_client_leaves_the_round_to_close_at_quorum(settings: Settings
 
 def test_a_round_below_quorum_fails_the_job_with_a_reason(settings: Settings) -> None:
     spec = small_job(
-        clients__min_fit=5, max_round_retries=1, train__entrypoint="tests.integration.train_plugins:failing"
+        clients__min_fit=5, clients__on_error="drop_client", max_round_retries=1,
+        train__entrypoint="tests.integration.train_plugins:failing",
     )
     data = load_dataset(spec.data, spec.seed)
     parts = partition(data.y_train, spec.clients.total, spec.data.partition, spec.seed)

@@ -42,7 +42,7 @@ def test_global_weights_cross_the_bus_once_per_learner_per_round(transport: Tran
 
 def test_a_failing_client_is_reported_and_the_round_closes_at_quorum(transport: Transport) -> None:
     failing = "tests.integration.train_plugins:failing"
-    spec = small_job(clients__min_fit=4, rounds=2, train__entrypoint=failing)
+    spec = small_job(clients__min_fit=4, clients__on_error="drop_client", rounds=2, train__entrypoint=failing)
     data = load_dataset(spec.data, spec.seed)
     train_plugins.FAIL_SIZE[0] = len(partition(data.y_train, 5, spec.data.partition, spec.seed)[0])
     try:
