@@ -12,30 +12,44 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedmq.common import statefiles
 from fedmq.common.errors import DecodeError
 
 if TYPE_CHECKING:
     import torch
 
 SPEC_KEY = "fedmq.job_spec"
+_OS_ERROR = re.compile(r"os error (\d+)")
 
 
 def save_state(
     path: str | Path, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
 ) -> Path:
-    """Write atomically (temp file, then rename) so a crash never leaves half a file."""
+    """Write atomically and durably (statefiles): a crash or a full disk never leaves half a file.
+
+    A failed write raises StateUnwritable naming the path and errno; the old file is untouched.
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    save_file(tensors, str(tmp), metadata=dict(metadata or {}))
-    os.replace(tmp, path)
+
+    def produce(tmp: Path) -> None:
+        try:
+            save_file(tensors, str(tmp), metadata=dict(metadata or {}))
+        except Exception as exc:  # safetensors reports I/O errors as its own type, errno in the text
+            found = _OS_ERROR.search(str(exc))
+            if found is None:
+                raise
+            code = int(found[1])
+            raise OSError(code, os.strerror(code), str(tmp)) from exc
+
+    statefiles.atomic_file(path, produce)
     return path
 
 

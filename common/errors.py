@@ -28,3 +28,13 @@ class AggregationError(FedmqError):
 
 class BrokerUnavailable(FedmqError):
     """The message broker cannot be reached."""
+
+
+class StateUnwritable(FedmqError):
+    """A service could not write its state to disk (full, read-only, gone): wait and retry, lose nothing."""
+
+    def __init__(self, path: str, errno: int | None, detail: str) -> None:
+        super().__init__(f"cannot write {path}: {detail}")
+        self.path = path
+        self.errno = errno
+        self.detail = detail

@@ -45,6 +45,10 @@ class ClientsSpec(Spec):
     total: int = Field(gt=0)
     per_round: int | None = Field(None, gt=0, description="defaults to total")
     min_fit: int | None = Field(None, gt=0, description="defaults to per_round")
+    # A learner's user code raising (data, model or training): the job fails at once, naming the
+    # client, round, phase and error (the default: such a bug is rarely one client's); or that
+    # client is dropped from the round, which closes at quorum (min_fit) or is retried.
+    on_error: Literal["fail_job", "drop_client"] = "fail_job"
 
     @model_validator(mode="after")
     def _ordered(self) -> ClientsSpec:

@@ -122,10 +122,32 @@ class EvalReport(Message):
     metrics: dict[str, float] = {}
     reduction: dict[str, Literal["mean", "sum", "min", "max", "geometric"]] = {}
     learner: str = ""
+class UserError(BaseModel):
+    """Where user code raised and what: which service, phase, round and client, type and message."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    service: str = Field(max_length=32)
+    phase: str = Field(max_length=32)
+    type: str = Field(max_length=200)
+    message: str = Field(max_length=2000)
+    round: int | None = None
+    client: int | None = None
+    learner: str = Field("", max_length=200)
+
+    def line(self) -> str:
+        """One line for logs, `fedmq status` and `watch`."""
+        where = [f"round {self.round}"] if self.round is not None else []
+        if self.client is not None:
+            where.append(f"client {self.client}")
+        if self.learner:
+            where.append(f"on {self.learner}")
+        place = f" ({', '.join(where)})" if where else ""
+        return f"user code failed in {self.service} {self.phase}{place}: {self.type}: {self.message}"
 
 
 class ClientFailure(Message):
-    """Learner → scheduler: the client could not train, and why."""
+    """Learner → scheduler: the client could not train, and why (`error`: its user code raised)."""
 
     type: Literal["client_failure"] = "client_failure"
     task_id: str = Field(max_length=64)
@@ -134,6 +156,7 @@ class ClientFailure(Message):
     code: str
     reason: str
     learner: str = ""
+    error: UserError | None = None
 
 
 class UpdateAccepted(Message):
@@ -173,6 +196,7 @@ class JobFailed(Message):
 
     type: Literal["job_failed"] = "job_failed"
     reason: str
+    error: UserError | None = None  # set when user code raised
 
 
 class ModelGet(Message):

@@ -27,7 +27,7 @@ UPDATE_REASONS = (
 MESSAGE_REASONS = (
     *UPDATE_REASONS, "invalid_spec", "unexpected_type", "blob", "oversize", "handler_error", "other"
 )
-FAILURE_CODES = ("invalid", "error")
+FAILURE_CODES = ("user_code", "invalid", "error")
 
 
 def reason_label(reason: str) -> str:
@@ -76,6 +76,10 @@ class Metrics:
         )
         self.client_failures = Counter(
             "fedmq_client_failures_total", "Tasks a learner could not train, by code", ["code"], registry=r
+        )
+        self.state_write_errors = Counter(
+            "fedmq_state_write_errors_total", "Writes of this service's state that failed (retried)",
+            registry=r,
         )
         self.bytes_published = Counter(
             "fedmq_bus_published_bytes_total", "Bytes this service published to the broker", registry=r

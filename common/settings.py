@@ -48,8 +48,14 @@ class Settings(BaseSettings):
     blob_wait_s: float = Field(30.0, gt=0, description="how long to wait for a large message's chunks")
     heartbeat_s: int = Field(30, ge=1, description="AMQP heartbeat")
     request_timeout_s: float = Field(120.0, gt=0, description="model fetch and publish timeout")
-    retry_initial_s: float = Field(0.5, gt=0, description="first reconnect backoff")
+    retry_initial_s: float = Field(0.5, gt=0, description="first reconnect (or state write retry) backoff")
     retry_max_s: float = Field(30.0, gt=0, description="reconnect backoff cap")
+    state_retry_max_s: float = Field(
+        5.0, gt=0, description="longest wait before retrying a state write that failed (disk full)"
+    )
+    job_start_timeout_s: float = Field(
+        300.0, gt=0, description="a job whose first round has not started by then fails (scheduler)"
+    )
     data_dir: Path | None = Field(
         None, description="a learner's own data folder, handed to the Task's load_data (files only here)"
     )

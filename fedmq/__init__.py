@@ -13,6 +13,8 @@ settings, messages, codec, bus, job spec, the Task machinery) and `fedmq.service
 (scheduler, aggregator, learner, CLI). Importing `fedmq` does not import torch.
 """
 
+from __future__ import annotations
+
 from typing import TYPE_CHECKING, Any
 
 from fedmq.common.task.contract import (
@@ -42,6 +44,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from fedmq.common.jobspec import JobSpec as Job
     from fedmq.services.api.result import Result, RoundRecord, SyncStats
     from fedmq.services.api.runner import Callback, Runner, run
@@ -58,7 +62,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'fedmq' has no attribute {name!r}")
 
 
-def load_model(path: str) -> object:
+def load_model(path: str) -> nn.Module:
     """A saved model file as an `nn.Module` in eval mode, rebuilt by its job's Task (safetensors)."""
     from fedmq.common.checkpoint import load_model as load
 

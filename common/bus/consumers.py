@@ -2,6 +2,7 @@
 
     message ─▶ over the frame size, not a blob ───────────────────────▶ dead-letter "oversize"
             ─▶ a blob's envelope: read its chunks (size, order, digest) ─✗─▶ dead-letter "blob: ..."
+                                  spool file unwritable (disk full) ─▶ chunks back, read again later
             ─▶ handler ─▶ ack       gone (and its blob queue deleted)
                        ─▶ reject    to fedmq.dead with the reason, then acked
                        ─▶ requeue   its chunks back to the blob queue, then itself
@@ -80,6 +81,7 @@ class Consumers:
         self._subscriptions: list[tuple[str, EventHandler]] = []
         self.ready = threading.Event()  # connected, consumers and subscriptions live
         self._lock = threading.Lock()  # orders registrations against (re)subscription
+        self._spool_delay = connection.settings.retry_initial_s  # backoff of reads into a full spool
 
     def consume(self, queue: str, handler: Handler, prefetch: int, spool: Path | None) -> None:
         consumer = _Consumer(queue, handler, prefetch, spool)
@@ -155,17 +157,27 @@ class Consumers:
             log.warning("message_rejected", queue=consumer.queue, reason="oversize", bytes=len(body))
             delivery.reject(f"oversize: {len(body)} bytes over the {self._frame_bytes}-byte frame")
             return
+        self._deliver(consumer, delivery)
+
+    def _deliver(self, consumer: _Consumer, delivery: RabbitDelivery) -> None:
+        """Read a blob's body if it has one, then hand the delivery to the consumer's handler."""
+        if delivery._settled or delivery._generation != self._link.generation:
+            return  # a spool retry for a delivery the broker has taken back with its connection
         if delivery._blob is not None:
             tags = delivery._chunk_tags
             try:
                 if consumer.spool is not None:
-                    delivery.body_path = self._blobs.read_to_file(headers, consumer.spool, tags)
+                    delivery.body_path = self._blobs.read_to_file(delivery.headers, consumer.spool, tags)
                 else:
-                    delivery.body = self._blobs.read(headers, tags)
+                    delivery.body = self._blobs.read(delivery.headers, tags)
             except DecodeBlobError as exc:
                 log.warning("message_rejected", queue=consumer.queue, reason="blob", detail=str(exc))
                 delivery.reject(f"blob: {exc}")
                 return
+            except OSError as exc:  # the spool file could not be written (disk full): wait, then again
+                self._spool_failed(consumer, delivery, exc)
+                return
+            self._spool_delay = self._link.settings.retry_initial_s
         try:
             consumer.handler(delivery)
         except PIKA_ERRORS:
@@ -173,6 +185,16 @@ class Consumers:
         except Exception as exc:  # a handler bug must not kill the service: dead-letter
             log.exception("handler_crashed", queue=consumer.queue)
             delivery.reject(f"handler_error: {type(exc).__name__}")
+
+    def _spool_failed(self, consumer: _Consumer, delivery: RabbitDelivery, exc: OSError) -> None:
+        """Chunks back to their queue, the envelope kept unacked (the queue waits), read again later."""
+        self._blobs.requeue(delivery._chunk_tags)
+        delivery._chunk_tags.clear()
+        log.error("state_unwritable", path=str(exc.filename or consumer.spool), errno=exc.errno,
+                  error=exc.strerror or str(exc), retry_in_s=round(self._spool_delay, 2))
+        self._link.call_later(self._spool_delay, lambda: self._deliver(consumer, delivery))
+        cap = max(self._link.settings.state_retry_max_s, self._link.settings.retry_initial_s)
+        self._spool_delay = min(self._spool_delay * 2, cap)
 
     def _settle(self, delivery: RabbitDelivery, outcome: str, reason: str = "") -> None:
         if not self._link.on_loop():

@@ -14,9 +14,8 @@ process, the default and every deployment, reproduces both.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fedmq.common.errors import FedmqError
 from fedmq.common.seeding import derive_seed
 from fedmq.common.task.contract import (
     ClientData,
@@ -40,47 +38,13 @@ from fedmq.common.task.contract import (
 )
 from fedmq.common.task.loop import train_with_loss
 from fedmq.common.task.metrics import check_metrics, check_rules
+from fedmq.common.usercode import user_code
 
 if TYPE_CHECKING:
     from fedmq.common.jobspec import JobSpec
 
 # torch's global RNG is one per process: model building and data loading take turns (module docstring).
 _RNG_LOCK = threading.RLock()
-
-
-class UserCodeError(FedmqError):
-    """A Task method raised or returned something it must not; the job fails with this reason."""
-
-    def __init__(
-        self,
-        method: str,
-        message: str,
-        *,
-        client: int | None = None,
-        round: int | None = None,
-        error_type: str = "",
-    ) -> None:
-        where = [f"Task.{method}"]
-        if client is not None and client >= 0:
-            where.append(f"client {client}")
-        if round is not None:
-            where.append(f"round {round}")
-        super().__init__(f"{', '.join(where)}: {error_type + ': ' if error_type else ''}{message}")
-        self.method, self.client, self.round = method, client, round
-        self.error_type, self.detail = error_type, message
-
-
-@contextlib.contextmanager
-def user_call(method: str, *, client: int | None = None, round: int | None = None) -> Iterator[None]:
-    """Run user code; any exception it raises becomes a UserCodeError naming where it came from."""
-    try:
-        yield
-    except UserCodeError:
-        raise
-    except Exception as exc:
-        raise UserCodeError(
-            method, str(exc)[:2000], client=client, round=round, error_type=type(exc).__name__
-        ) from exc
 
 
 @dataclass
@@ -95,7 +59,7 @@ class TaskRuntime:
         from fedmq.common.task.loading import make_task
 
         runtime = cls(spec, make_task(spec.task.name, spec.task.options))
-        with user_call("metric_reduction"):
+        with user_code("metric_reduction"):
             check_rules(runtime.task.metric_reduction)
         return runtime
 
@@ -105,7 +69,7 @@ class TaskRuntime:
 
     def build_model(self) -> nn.Module:
         """The Task's model with fedmq's seeded initial weights (the same in every process)."""
-        with _RNG_LOCK, torch.random.fork_rng(devices=[]), user_call("build_model"):
+        with _RNG_LOCK, torch.random.fork_rng(devices=[]), user_code("build_model"):
             torch.manual_seed(derive_seed(self.spec.seed, "init"))
             model = self.task.build_model()
             if not isinstance(model, nn.Module):
@@ -119,7 +83,7 @@ class TaskRuntime:
 
     def load_data(self, client: int, data_dir: Path | None) -> ClientData:
         """One client's data, as ClientData (a bare return value is its training data)."""
-        with _RNG_LOCK, torch.random.fork_rng(devices=[]), user_call("load_data", client=client):
+        with _RNG_LOCK, torch.random.fork_rng(devices=[]), user_code("load_data", client=client):
             torch.manual_seed(derive_seed(self.spec.seed, "data", client))
             data = self.task.load_data(self.data_context(client, data_dir))
         return data if isinstance(data, ClientData) else ClientData(train=data)
@@ -127,11 +91,11 @@ class TaskRuntime:
     def export(self, model: nn.Module, out_dir: Path, server_round: int) -> None:
         """The Task's artifacts of the final model, written into `out_dir`."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        with user_call("export", round=server_round):
+        with user_code("export", round=server_round):
             self.task.export(model, ExportContext(out_dir=out_dir, round=server_round, seed=self.spec.seed))
 
-    def load_server_data(self, data_dir: Path | None) -> Any | None:
-        with user_call("load_server_data"):
+    def load_server_data(self, data_dir: Path | None) -> Any:
+        with user_code("load_server_data"):
             return self.task.load_server_data(self.data_context(-1, data_dir))
 
     def train(self, model: nn.Module, data: ClientData, ctx: TrainContext) -> TrainResult:
@@ -140,7 +104,7 @@ class TaskRuntime:
         method = "train" if has_train(self.task) else "loss"
         with (
             torch.random.fork_rng(devices=_cuda(ctx.device)),
-            user_call(method, client=ctx.client, round=ctx.round),
+            user_code(method, client=ctx.client, round=ctx.round),
         ):
             torch.manual_seed(derive_seed(self.spec.seed, "torch", ctx.round, ctx.client))
             if method == "train":
@@ -162,7 +126,7 @@ class TaskRuntime:
         """Metrics of `model` on `data`, checked; the example count is len(data) unless given."""
         with (
             torch.random.fork_rng(devices=_cuda(ctx.device)),
-            user_call("evaluate", client=ctx.client, round=ctx.round),
+            user_code("evaluate", client=ctx.client, round=ctx.round),
         ):
             torch.manual_seed(
                 derive_seed(self.spec.seed, "eval", ctx.round, -1 if ctx.client is None else ctx.client)

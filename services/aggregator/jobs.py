@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedmq.common.jobspec import JobSpec, canonical_json
-from fedmq.common.messages import RoundClosed
+from fedmq.common.jobspec import JobSpec
+from fedmq.common.messages import RoundClosed, UserError
 from fedmq.common.task.runtime import TaskRuntime
 from fedmq.services.aggregator.store import JobStore
 from fedmq.services.aggregator.strategies import Strategy, build_strategy
@@ -34,6 +33,7 @@ class AggJob:
     last_closed: RoundClosed | None = None  # re-sent when its trigger is redelivered
     server_data: Any = None  # the Task's server evaluation data, loaded on first use
     server_data_loaded: bool = False
+    failed: UserError | None = None  # its user code raised: the job is over
 
     @property
     def job_id(self) -> str:
@@ -45,34 +45,31 @@ def views(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def create_job(root: Path, job_id: str, spec: JobSpec) -> AggJob:
-    """A new job: its initial model built from the spec, the spec and round 0 stored on disk."""
-    store = JobStore(root, job_id)
-    job = _assemble(spec, store)
-    store.save_spec(canonical_json(spec))
-    job.digest = store.save_checkpoint(0, job.weights, {})
-    return job
+def new_job(root: Path, job_id: str, spec: JobSpec) -> AggJob:
+    """A new job with its initial model built from the spec; nothing is on disk until round 0 commits."""
+    return _assemble(spec, JobStore(root, job_id))
 
 
-def resume_jobs(root: Path) -> Iterator[AggJob]:
-    """Every job found under `root`, rebuilt from its spec, latest checkpoint and round records."""
+def stored_jobs(root: Path) -> list[str]:
+    """The ids of the jobs under `root` with a spec and at least one committed round."""
     if not root.is_dir():
-        return
-    for path in sorted(root.iterdir()):
-        store = JobStore(root, path.name)
-        spec_json = store.load_spec() if path.is_dir() else None
-        if spec_json is None or not store.rounds():
-            continue
-        yield _restore(JobSpec.model_validate_json(spec_json), store)
+        return []
+    return [
+        path.name for path in sorted(root.iterdir())
+        if path.is_dir() and JobStore(root, path.name).load_spec() is not None
+        and JobStore(root, path.name).rounds()
+    ]
 
 
-def _restore(spec: JobSpec, store: JobStore) -> AggJob:
-    job = _assemble(spec, store)
+def restore_job(root: Path, job_id: str) -> AggJob:
+    """A stored job rebuilt from its spec, latest committed checkpoint and round records."""
+    store = JobStore(root, job_id)
+    spec_json = store.load_spec()
+    assert spec_json is not None
+    job = _assemble(JobSpec.model_validate_json(spec_json), store)
     latest = max(store.rounds())
-    weights, extra = store.load_checkpoint(store.rounds()[latest])
-    job.model.load_state_dict(weights)
-    job.strategy.load_state(extra)
-    job.weights, job.digest, job.round = views(job.model), store.rounds()[latest], latest
+    job.digest, job.round = store.rounds()[latest], latest
+    rewind(job)
     opened = store.load_json("open")
     if opened is not None and opened["round"] == latest + 1:
         job.open_round, job.expected = opened["round"], set(opened["clients"])
@@ -80,6 +77,14 @@ def _restore(spec: JobSpec, store: JobStore) -> AggJob:
     if closed is not None and closed["round"] == latest:
         job.last_closed = RoundClosed.model_validate(closed)
     return job
+
+
+def rewind(job: AggJob) -> None:
+    """Back to the weights and strategy state of the job's last committed round (after a failed close)."""
+    weights, extra = job.store.load_checkpoint(job.digest)
+    job.model.load_state_dict(weights)
+    job.strategy.load_state(extra)
+    job.weights = views(job.model)
 
 
 def _assemble(spec: JobSpec, store: JobStore) -> AggJob:

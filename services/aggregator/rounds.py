@@ -1,9 +1,19 @@
-"""Closing a round: the round's stored updates through the job's strategy into the next global model."""
+"""A round's new global model: aggregated, evaluated, then committed in an order that survives a crash.
+
+    aggregate ─▶ into the model ─▶ evaluate (the Task's server data) ─▶ checkpoint ─▶ [final model,
+              the Task's export] ─▶ closed.json ─▶ rounds.json (the commit: a restart resumes from
+              the last round it names)
+
+Anything that fails before the commit leaves the job's committed state as it was; the caller
+puts the in-memory model back to it (jobs.rewind) before it tries again or gives up.
+"""
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -11,39 +21,57 @@ from fedmq.common.checkpoint import save_model
 from fedmq.common.jobspec import canonical_json
 from fedmq.common.messages import RoundClosed
 from fedmq.common.task.metrics import reduce_metrics
+from fedmq.services.aggregator.evaluation import evaluate_on_server
 from fedmq.services.aggregator.jobs import AggJob, views
 from fedmq.services.aggregator.store import JobStore
 from fedmq.services.aggregator.strategies import ClientResult
 
 
-def aggregate_round(job: AggJob, server_round: int, clients: list[int]) -> RoundClosed:
-    """Fold the clients' updates into the job's model, checkpoint it, and describe the round.
+def initial_round(job: AggJob, data_dir: Path | None) -> RoundClosed:
+    """Round 0: the spec and the freshly built model, evaluated and committed."""
+    job.store.save_spec(canonical_json(job.spec))
+    return commit(job, RoundClosed(job_id=job.job_id, round=0, model_digest=""), data_dir)
 
-    The returned RoundClosed has the clients' training metrics, combined by the Task's rules;
-    the caller adds the evaluation of the new model.
-    """
+
+def close_round(job: AggJob, server_round: int, clients: list[int], data_dir: Path | None) -> RoundClosed:
+    """Fold the clients' stored updates into the job's model with its strategy, then commit it."""
+    started = time.perf_counter()
     results = client_results(job.store, server_round, clients)
     new = job.strategy.aggregate(server_round, job.weights, results)
     job.model.load_state_dict(new)  # copies into the parameters, dtypes kept
     del new
     job.weights = views(job.model)
-    job.digest = job.store.save_checkpoint(server_round, job.weights, job.strategy.state())
-    job.round, job.open_round, job.expected = server_round, None, set()
-    closed = RoundClosed(
+    return commit(job, RoundClosed(
         job_id=job.job_id,
         round=server_round,
-        model_digest=job.digest,
+        model_digest="",
         clients=[r.client for r in results],
         num_examples=sum(r.num_examples for r in results),
         metrics={"train": train_metrics(results, job.runtime.reductions)},
-    )
-    if server_round == job.spec.rounds:
+        aggregate_seconds=time.perf_counter() - started,
+    ), data_dir)
+
+
+def commit(job: AggJob, closed: RoundClosed, data_dir: Path | None) -> RoundClosed:
+    """Evaluate the job's model, store it, and make it the round's: the RoundClosed to announce."""
+    metrics = dict(closed.metrics)
+    server = evaluate_on_server(job, closed.round, data_dir)
+    if server is not None:
+        metrics["server"] = server
+    digest = job.store.write_checkpoint(closed.round, job.weights, job.strategy.state())
+    update: dict[str, object] = {"model_digest": digest, "metrics": metrics}
+    if closed.round == job.spec.rounds:
         path = save_model(
             job.store.root / "model.safetensors", job.weights, canonical_json(job.spec),
-            job_id=job.job_id, round=server_round,
+            job_id=job.job_id, round=closed.round, metrics=metrics,
         )
-        closed = closed.model_copy(update={"model_path": str(path)})
-        job.runtime.export(job.model, job.store.root / "artifacts", server_round)
+        update["model_path"] = str(path)
+        job.runtime.export(job.model, job.store.root / "artifacts", closed.round)
+    closed = closed.model_copy(update=update)
+    job.store.save_json("closed", closed.model_dump())  # before the commit: a restart re-sends it
+    job.store.commit_round(closed.round, digest)
+    job.digest, job.round, job.last_closed = digest, closed.round, closed
+    job.open_round, job.expected = None, set()
     return closed
 
 

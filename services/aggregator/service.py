@@ -2,28 +2,33 @@
 
     fedmq.aggregator ─▶ on_message: decode, then by type
         JobCreate     create_job     ─▶ RoundClosed (round 0) ─▶ scheduler
-        RoundOpen     open_round
-        ClientUpdate  accept_update  ─▶ UpdateAccepted ─▶ scheduler
+        RoundOpen     open_round     ─▶ UpdateAccepted for updates that came before it
+        ClientUpdate  accept_update  ─▶ UpdateAccepted ─▶ scheduler (or kept until its RoundOpen)
         RoundClose    close_round    ─▶ RoundClosed ─▶ scheduler
     fedmq.model ─▶ serving.ModelServer ─▶ ModelReply ─▶ the learner that asked
 
 Ack policy: every message on fedmq.aggregator is acked after its effect is on
-disk and its reply published; a message that fails decoding or validation is
-rejected (dead-lettered) with the reason; a duplicate update is acked with no
-effect. ModelGet requests are answered by serving.ModelServer.
+disk and its reply published; an update that came before its round's RoundOpen
+is acked once on disk and announced when the round opens. A message that fails
+decoding or validation is rejected (dead-lettered) with the reason; a duplicate
+update is acked with no effect. User code that raises (building, loading data,
+evaluating) fails the job: a JobFailed naming phase, type and message goes to
+the scheduler and the message is acked. A state write that fails (disk full)
+leaves the message unacked, to be handled again after a backoff (stateretry).
+ModelGet requests are answered by serving.ModelServer.
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
-import time
 from pathlib import Path
 
 import structlog
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
-from fedmq.common.errors import DecodeError, FedmqError, ValidationError
+from fedmq.common.errors import DecodeError, FedmqError, StateUnwritable, ValidationError
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientUpdate,
@@ -40,9 +45,11 @@ from fedmq.common.messages import (
 )
 from fedmq.common.metrics import Metrics, reason_label
 from fedmq.common.settings import Settings
-from fedmq.services.aggregator.evaluation import evaluate_on_server
-from fedmq.services.aggregator.jobs import AggJob, create_job, resume_jobs
-from fedmq.services.aggregator.rounds import aggregate_round
+from fedmq.common.statefiles import remove_temps
+from fedmq.common.stateretry import StateRetry
+from fedmq.common.usercode import UserCodeError
+from fedmq.services.aggregator.jobs import AggJob, new_job, restore_job, rewind, stored_jobs
+from fedmq.services.aggregator.rounds import close_round, initial_round
 from fedmq.services.aggregator.serving import ModelServer
 from fedmq.services.aggregator.validation import check_update
 
@@ -57,12 +64,20 @@ class AggregatorService:
         self.root = Path(settings.state_dir) / "aggregator"
         self.jobs: dict[str, AggJob] = {}
         self.models = ModelServer(bus, self.jobs)
+        self.retry = StateRetry(bus, self.metrics, settings)
 
     def start(self) -> None:
         # Updates bigger than a frame are received straight into files: memory holds one chunk.
         # Files a previous run left half-received belong to messages the broker still holds.
         shutil.rmtree(self.root / "spool", ignore_errors=True)
-        for job in resume_jobs(self.root):
+        if removed := remove_temps(self.root):  # what a crash left mid-write: never read, only in the way
+            log.info("temp_files_removed", count=removed)
+        for job_id in stored_jobs(self.root):
+            try:
+                job = restore_job(self.root, job_id)
+            except UserCodeError as exc:
+                self.bus.call_soon(functools.partial(self._user_code_failed, job_id, exc, 0))
+                continue
             self.jobs[job.job_id] = job
             log.info("job_resumed", job=job.job_id, round=job.round, open_round=job.open_round)
         self.bus.consume(topology.AGGREGATOR, self.on_message, prefetch=1, spool=self.root / "spool")
@@ -81,12 +96,19 @@ class AggregatorService:
                 job=msg.job_id, round=getattr(msg, "round", None), client=getattr(msg, "client", None)
             ):
                 self._handle(msg, delivery)
+        except StateUnwritable as exc:
+            # Not the message's fault: keep it unacked (the queue waits) and handle it again later.
+            self.retry.later(exc, functools.partial(self.on_message, delivery))
+            return
+        except UserCodeError as exc:
+            self._user_code_failed(msg.job_id, exc, getattr(msg, "round", 0))
         except (DecodeError, ValidationError) as exc:
             reason = exc.reason if isinstance(exc, ValidationError) else "decode"
             if isinstance(msg, ClientUpdate):
                 self.metrics.updates_rejected.labels(reason_label(reason)).inc()
             self._reject(delivery, reason, getattr(exc, "detail", str(exc)))
             return
+        self.retry.succeeded()
         delivery.ack()
 
     def _decode(self, delivery: Delivery) -> Message:
@@ -101,6 +123,12 @@ class AggregatorService:
         delivery.reject(f"{reason}: {detail}")
 
     def _handle(self, msg: Message, delivery: Delivery) -> None:
+        job = self.jobs.get(msg.job_id)
+        if job is not None and job.failed is not None:
+            log.info("ignored_failed_job", type=msg.type)  # type: ignore[attr-defined]
+            if isinstance(msg, JobCreate | RoundClose):
+                self._publish(JobFailed(job_id=job.job_id, reason=job.failed.line(), error=job.failed))
+            return
         match msg:
             case JobCreate():
                 self.create_job(msg)
@@ -121,26 +149,56 @@ class AggregatorService:
             self._resend_closed(self.jobs[msg.job_id], 0)
             return
         try:
-            job = create_job(self.root, msg.job_id, parse_job(msg.spec))
+            job = new_job(self.root, msg.job_id, parse_job(msg.spec))
+        except UserCodeError:
+            raise
         except FedmqError as exc:
             log.warning("job_create_failed", error=str(exc))
             self._publish(JobFailed(job_id=msg.job_id, reason=f"aggregator: {exc}"))
             return
+        closed = initial_round(job, self.settings.data_dir)
         log.info("job_created", params=sum(v.numel() for v in job.weights.values()), digest=job.digest[:12])
         self.jobs[msg.job_id] = job
-        self._report(job, RoundClosed(job_id=msg.job_id, round=0, model_digest=job.digest), seconds=0.0)
+        self._report(closed)
 
     def open_round(self, msg: RoundOpen) -> None:
+        """Open the round, take in the updates that came before it, and announce every stored one."""
         job = self._job(msg.job_id)
         if msg.round != job.round + 1:
             raise ValidationError("stale_round", f"round {msg.round} opened after round {job.round}")
         job.store.save_json("open", {"round": msg.round, "clients": sorted(msg.clients)})
         job.open_round, job.expected = msg.round, set(msg.clients)
-        log.info("round_opened", clients=len(msg.clients))
+        for client in job.store.early_clients(msg.round):
+            if client in job.expected:
+                job.store.adopt_early(msg.round, client)
+                self.metrics.updates_accepted.inc()
+            else:
+                log.warning("update_rejected", reason="unknown_client", client=client, early=True)
+                self.metrics.updates_rejected.labels("unknown_client").inc()
+        job.store.drop_early(msg.round)
+        # Announced here, not on arrival; again if this RoundOpen is redelivered (counted once).
+        for client in job.store.stored_clients(msg.round):
+            stored = job.store.read_update(msg.round, client)
+            fields = stored.fields
+            self._publish(UpdateAccepted(
+                job_id=job.job_id, round=msg.round, client=client,
+                num_examples=int(fields["num_examples"]), metrics=dict(fields.get("metrics", {})),
+                train_seconds=float(fields.get("train_seconds", 0.0)),
+                fetch_seconds=float(fields.get("fetch_seconds", 0.0)),
+                fetch_bytes=int(fields.get("fetch_bytes", 0)), bytes=Path(stored.path).stat().st_size,
+            ))
+        log.info("round_opened", clients=len(msg.clients), stored=len(job.store.stored_clients(msg.round)))
 
     def accept_update(self, msg: ClientUpdate, delivery: Delivery) -> None:
-        """Store a sound update before saying so; a redelivered one is only announced again."""
+        """Store a sound update before saying so; a redelivered one is only announced again.
+
+        An update for the round after the last closed one, before its RoundOpen arrives (broker
+        flow control can order them so), is checked and kept on disk; the RoundOpen announces it.
+        """
         job = self._job(msg.job_id)
+        if job.open_round is None and msg.round == job.round + 1:
+            self._accept_early(job, msg, delivery)
+            return
         if job.open_round != msg.round:
             raise ValidationError("stale_round", f"round {msg.round} is not open")
         if msg.client not in job.expected:
@@ -160,6 +218,15 @@ class AggregatorService:
         self.metrics.updates_accepted.inc()
         log.info("update_accepted", examples=msg.num_examples, learner=msg.learner)
 
+    def _accept_early(self, job: AggJob, msg: ClientUpdate, delivery: Delivery) -> None:
+        if msg.client >= job.spec.clients.total:
+            raise ValidationError("unknown_client", f"client {msg.client} of {job.spec.clients.total}")
+        if msg.base_digest != job.digest:
+            raise ValidationError("stale_model", "trained on another round's weights")
+        check_update(msg, job.weights)
+        job.store.put_early(msg.round, msg.client, delivery.body_path or delivery.body)
+        log.info("update_early", examples=msg.num_examples, learner=msg.learner)
+
     def close_round(self, msg: RoundClose) -> None:
         job = self._job(msg.job_id)
         if msg.round <= job.round and job.open_round is None:
@@ -168,10 +235,13 @@ class AggregatorService:
             return
         if job.open_round != msg.round:
             raise ValidationError("stale_round", f"round {msg.round} is not open")
-        started = time.perf_counter()
-        closed = aggregate_round(job, msg.round, msg.clients)
+        try:
+            closed = close_round(job, msg.round, msg.clients, self.settings.data_dir)
+        except BaseException:
+            rewind(job)  # the model and strategy back to the last committed round
+            raise
         self.models.forget(job.job_id)
-        self._report(job, closed, seconds=time.perf_counter() - started)
+        self._report(closed)
         job.store.drop_updates(msg.round)
 
     # -- replies --------------------------------------------------------------
@@ -183,19 +253,23 @@ class AggregatorService:
             fetch_bytes=msg.fetch_bytes, bytes=size,
         ))
 
-    def _report(self, job: AggJob, closed: RoundClosed, seconds: float) -> None:
-        """Evaluate the new global model on the server's data and tell the scheduler the round is closed."""
-        metrics = dict(closed.metrics)
-        server = evaluate_on_server(job, closed.round, self.settings.data_dir)
-        if server is not None:
-            metrics["server"] = server
-        closed = closed.model_copy(update={"metrics": metrics, "aggregate_seconds": seconds})
-        job.last_closed = closed
-        job.store.save_json("closed", closed.model_dump())  # before it is announced
-        self.metrics.round_metrics(job.job_id, {k: v for k, v in metrics.items() if k != "federated"})
+    def _report(self, closed: RoundClosed) -> None:
+        """Tell the scheduler the round is closed (its record is on disk already)."""
+        self.metrics.round_metrics(closed.job_id, closed.metrics)
         self._publish(closed)
-        log.info("round_closed", clients=len(closed.clients), seconds=round(seconds, 4),
-                 **{f"{src}_{name}": round(v, 4) for src, m in metrics.items() for name, v in m.items()})
+        shown = {f"{src}_{name}": round(v, 4) for src, m in closed.metrics.items() for name, v in m.items()}
+        log.info("round_closed", clients=len(closed.clients), seconds=round(closed.aggregate_seconds, 4),
+                 **shown)
+
+    def _user_code_failed(self, job_id: str, exc: UserCodeError, server_round: int) -> None:
+        """The job's user code raised: the job is over; the scheduler hears where and why."""
+        error = exc.info("aggregator", round=server_round)
+        log.warning("user_code_failed", job=job_id, phase=error.phase, error_type=error.type,
+                    error=error.message[:300])
+        job = self.jobs.get(job_id)
+        if job is not None:
+            job.failed = error
+        self._publish(JobFailed(job_id=job_id, reason=error.line(), error=error))
 
     def _resend_closed(self, job: AggJob, server_round: int) -> None:
         if job.last_closed is not None and job.last_closed.round == server_round:

@@ -6,20 +6,21 @@
         open.json, closed.json         the open round's clients; the last RoundClosed sent
         checkpoints/<digest>.safetensors
         updates/r<round>/c<client>.msg raw ClientUpdate bodies, until the round closes
+        early/r<round>/c<client>.msg   updates that came before their round's RoundOpen
 
 An accepted update is written before it is acknowledged, so the round's
 results survive a restart, and a client's file exists at most once: that is
 what makes a redelivered update change nothing. At close the updates are read
 back one at a time in client order (bounded memory, order-independent result).
 
-This module is the layout and its durability (atomic writes, fsync) only: what
-the files mean to a round is the business of the modules that read them.
+This module is the layout only; every write goes through common/statefiles (whole
+or not at all, fsynced, a failure raised as StateUnwritable). What the files mean
+to a round is the business of the modules that read them.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fedmq.common import codec
+from fedmq.common import codec, statefiles
 from fedmq.common.checkpoint import load_state, save_state
 
 
@@ -41,7 +42,7 @@ class JobStore:
     # -- spec and round index -------------------------------------------------
 
     def save_spec(self, spec_json: str) -> None:
-        _atomic_write(self.root / "spec.json", spec_json.encode())
+        statefiles.atomic_write(self.root / "spec.json", spec_json.encode())
 
     def rounds(self) -> dict[int, str]:
         path = self.root / "rounds.json"
@@ -55,7 +56,7 @@ class JobStore:
 
     def save_json(self, name: str, value: dict[str, Any]) -> None:
         """Small records that let a restarted aggregator pick up: the open round, the last close."""
-        _atomic_write(self.root / f"{name}.json", json.dumps(value).encode())
+        statefiles.atomic_write(self.root / f"{name}.json", json.dumps(value).encode())
 
     def load_json(self, name: str) -> dict[str, Any] | None:
         path = self.root / f"{name}.json"
@@ -63,16 +64,19 @@ class JobStore:
 
     # -- checkpoints ----------------------------------------------------------
 
-    def save_checkpoint(
+    def write_checkpoint(
         self, server_round: int, state: Mapping[str, torch.Tensor], extra: Mapping[str, torch.Tensor]
     ) -> str:
-        """Store the round's global weights (and strategy state) under their digest."""
+        """Store global weights (and strategy state) under their digest; not yet the job's round."""
         digest = codec.state_digest(state)
         tensors = {f"w.{k}": v for k, v in state.items()} | {f"s.{k}": v for k, v in extra.items()}
         save_state(self.checkpoint_path(digest), tensors, {"round": str(server_round)})
-        rounds = self.rounds() | {server_round: digest}
-        _atomic_write(self.root / "rounds.json", json.dumps(rounds, sort_keys=True).encode())
         return digest
+
+    def commit_round(self, server_round: int, digest: str) -> None:
+        """Make `digest` the round's global model: the point from which a restart resumes."""
+        rounds = self.rounds() | {server_round: digest}
+        statefiles.atomic_write(self.root / "rounds.json", json.dumps(rounds, sort_keys=True).encode())
 
     def load_checkpoint(self, digest: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         tensors, _ = load_state(self.checkpoint_path(digest))
@@ -93,13 +97,7 @@ class JobStore:
 
     def put_update(self, server_round: int, client: int, body: bytes | Path) -> None:
         """Keep an update's body (moving it if it is a file); once it exists it is stored."""
-        dest = self._update_path(server_round, client)
-        if isinstance(body, Path):
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(body, dest)  # the spool file was fsynced when it was received
-            _fsync_dir(dest.parent)
-        else:
-            _atomic_write(dest, body)
+        _put(self._update_path(server_round, client), body)  # a spool file was fsynced on receipt
 
     def read_update(self, server_round: int, client: int) -> codec.TensorFile:
         """A stored update: its other fields decoded, its weights read from disk only when accessed."""
@@ -108,22 +106,41 @@ class JobStore:
     def drop_updates(self, server_round: int) -> None:
         shutil.rmtree(self.root / "updates" / f"r{server_round}", ignore_errors=True)
 
+    def stored_clients(self, server_round: int) -> list[int]:
+        """The clients whose update for the round is stored, in order."""
+        return _clients(self.root / "updates" / f"r{server_round}")
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    # -- updates ahead of their round ---------------------------------------------
+
+    def _early_path(self, server_round: int, client: int) -> Path:
+        return self.root / "early" / f"r{server_round}" / f"c{client}.msg"
+
+    def put_early(self, server_round: int, client: int, body: bytes | Path) -> None:
+        """Keep an update whose round is not open here yet; a later copy replaces it."""
+        _put(self._early_path(server_round, client), body)
+
+    def early_clients(self, server_round: int) -> list[int]:
+        return _clients(self.root / "early" / f"r{server_round}")
+
+    def adopt_early(self, server_round: int, client: int) -> None:
+        """The round opened with this client: its early update becomes a stored one."""
+        dest = self._update_path(server_round, client)
+        if not dest.exists():
+            _put(dest, self._early_path(server_round, client))
+
+    def drop_early(self, server_round: int) -> None:
+        shutil.rmtree(self.root / "early" / f"r{server_round}", ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _put(dest: Path, body: bytes | Path) -> None:
+    """Write bytes, or move a file already fsynced (a spooled update), into place."""
+    if isinstance(body, Path):
+        statefiles.move_into(body, dest)
+    else:
+        statefiles.atomic_write(dest, body)
+
+
+def _clients(folder: Path) -> list[int]:
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.stem[1:]) for p in folder.glob("c*.msg") if p.stem[1:].isdigit())

@@ -162,6 +162,8 @@ def status(
     console.print(table)
     if job_id and reply.jobs:
         job = reply.jobs[0]
+        if job.get("reason"):
+            console.print(f"reason: {job['reason']}", markup=False, highlight=False)  # the table cuts it
         if "reported" in job:
             console.print(
                 f"round {job['round']}: {job['reported']}/{job['sampled']} clients reported, "

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedmq.common.messages import JobEvent
@@ -76,7 +77,7 @@ def print_summary(console: Console, result: dict[str, Any]) -> None:
             f"in round {best['round']}"
         )
     if result.get("reason"):
-        console.print(f"  reason: {result['reason']}")
+        console.print(f"  reason: {escape(result['reason'])}")  # user text: brackets are not markup
     if result.get("model_path"):
         console.print(f"  model saved to [bold]{result['model_path']}[/]")
         console.print("  load it with [bold]fedmq.load_model(path)[/] (safetensors)")

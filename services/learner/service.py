@@ -3,7 +3,10 @@
 Ack policy: a task is acked only after its ClientUpdate (or ClientFailure) is
 published, so a learner that dies mid-task leaves the task to be redelivered.
 An undecodable task is dead-lettered. On shutdown an unfinished task is
-returned to the queue.
+returned to the queue, and so is a task whose model fetch the broker lost
+FETCH_ATTEMPTS times (never a client's failure). User code that raises (loading data, building the model,
+training) is a ClientFailure with code `user_code` and the error's phase, type
+and message; the job's `clients.on_error` decides whether it fails the job.
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ import os
 import queue
 import socket
 import threading
+import time
 
 import structlog
 import torch
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
-from fedmq.common.errors import DecodeError, FedmqError
+from fedmq.common.errors import BrokerUnavailable, DecodeError, FedmqError
 from fedmq.common.messages import (
     ClientFailure,
     EvalTask,
@@ -27,18 +31,21 @@ from fedmq.common.messages import (
     ModelGet,
     ModelReply,
     TrainTask,
+    UserError,
     expect,
     from_wire,
     to_wire,
 )
 from fedmq.common.metrics import Metrics
 from fedmq.common.settings import Settings
+from fedmq.common.usercode import UserCodeError
 from fedmq.services.learner.device import resolve_device
 from fedmq.services.learner.work import Work
 
 log = structlog.get_logger("fedmq.learner")
 
 Task = TrainTask | EvalTask
+FETCH_ATTEMPTS = 5  # model fetches lost to the broker before the task goes back to the queue
 
 
 class LearnerService:
@@ -130,10 +137,18 @@ class LearnerService:
         # contextvars are per thread: bind here, where the work runs.
         with structlog.contextvars.bound_contextvars(job=task.job_id, round=task.round, client=task.client):
             try:
-                if isinstance(task, EvalTask):
-                    reply = topology.SCHEDULER, to_wire(self.work.evaluate(task))
-                else:
-                    reply = topology.AGGREGATOR, to_wire(self.work.train(task))
+                reply = self._work_retrying(task)
+            except BrokerUnavailable as exc:
+                # The broker's trouble, not the client's: the task goes back, nothing is reported.
+                log.warning("task_returned", error=str(exc)[:300])
+                self._current = None
+                delivery.requeue()
+                return
+            except UserCodeError as exc:
+                log.warning("user_code_failed", phase=exc.phase, error_type=exc.error_type,
+                            error=exc.message[:300])
+                error = exc.info("learner", round=task.round, client=task.client, learner=self.name)
+                reply = self._failure(task, "user_code", error.line(), error)
             except FedmqError as exc:
                 log.warning("task_failed", error=str(exc))
                 reply = self._failure(task, "invalid", str(exc))
@@ -153,17 +168,42 @@ class LearnerService:
             self._current = None
             delivery.ack()
 
-    def _failure(self, task: Task, code: str, reason: str) -> tuple[str, bytes]:
+    def _work_retrying(self, task: Task) -> tuple[str, bytes]:
+        """Train or evaluate; a model fetch lost to the broker is tried again after a backoff."""
+        delay = self.settings.retry_initial_s
+        for _ in range(FETCH_ATTEMPTS - 1):
+            try:
+                return self._do(task)
+            except BrokerUnavailable as exc:
+                if self._stopping:
+                    raise
+                log.warning("model_fetch_retry", error=str(exc)[:300], retry_in_s=round(delay, 2))
+                time.sleep(delay)  # the training thread: the bus thread keeps the connection alive
+                delay = min(delay * 2, self.settings.retry_max_s)
+        return self._do(task)
+
+    def _do(self, task: Task) -> tuple[str, bytes]:
+        """The reply a task gets: an EvalReport for the scheduler, a ClientUpdate for the aggregator."""
+        if isinstance(task, EvalTask):
+            return topology.SCHEDULER, to_wire(self.work.evaluate(task))
+        return topology.AGGREGATOR, to_wire(self.work.train(task))
+
+    def _failure(
+        self, task: Task, code: str, reason: str, error: UserError | None = None
+    ) -> tuple[str, bytes]:
         failure = ClientFailure(
             job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
-            code=code, reason=reason[:500], learner=self.name,
+            code=code, reason=reason[:500], learner=self.name, error=error,
         )
         return topology.SCHEDULER, to_wire(failure)
 
     def _fetch(self, job_id: str, digest: str) -> tuple[dict[str, torch.Tensor], int]:
         """A global model from the aggregator by digest (request/reply over the bus), and its size."""
         request = to_wire(ModelGet(job_id=job_id, digest=digest))
-        body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
+        try:
+            body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
+        except Exception as exc:  # lost connection, no reply in time, not connected: the transport's
+            raise BrokerUnavailable(f"model fetch failed: {type(exc).__name__}: {exc}") from exc
         reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ModelReply)
         if reply.error or reply.weights is None:
             raise FedmqError(f"model {digest[:12]} unavailable: {reply.error}")

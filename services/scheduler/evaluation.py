@@ -1,69 +1,133 @@
-"""Federated evaluation and the round record: pure helpers of the scheduler (no torch, no bus).
+"""A closed round becomes a record: optionally after sampled clients evaluate its model.
 
-RoundClosed(r) ─▶ record ─┬─(federated evaluation due at r)─▶ EvalTask × k ─▶ EvalReports
-                          │                                      ─▶ record.metrics.federated
-                          └─▶ history, best round, event round_completed, round r + 1
+    RoundClosed(r) ─▶ record ─┬─(federated evaluation due at r)─▶ EvalTask × k ─▶ EvalReports
+                              │       (quorum, deadline and retries as in training)
+                              │                                      ─▶ record.metrics.federated
+                              └─▶ history, best round, event round_completed, round r + 1 or the end
+
+A federated evaluation below its quorum with no retries left does not fail the job: the round's
+record goes on without federated metrics (logged). A mixin of SchedulerService, over JobLoop.
 """
 
 from __future__ import annotations
 
-import math
+import time
 from typing import Any
 
-from fedmq.common.jobspec import JobSpec
-from fedmq.common.messages import RoundClosed
-from fedmq.common.seeding import numpy_rng
-from fedmq.common.task.metrics import lookup, reduce_metrics
+import structlog
+
+from fedmq.common.bus import topology
+from fedmq.common.messages import EvalReport, EvalTask, RoundClosed, to_wire
+from fedmq.services.scheduler.jobs import COMPLETED, SchedJob
+from fedmq.services.scheduler.loop import JobLoop
+from fedmq.services.scheduler.records import (
+    better,
+    combine_reports,
+    eval_clients,
+    federated_due,
+    round_record,
+)
+from fedmq.services.scheduler.rounds import Decision, RoundState
+
+log = structlog.get_logger("fedmq.scheduler")
 
 
-def federated_due(spec: JobSpec, server_round: int) -> bool:
-    """Whether clients evaluate the global model of this round."""
-    return server_round > 0 and spec.evaluate.federated is not None and spec.evaluates(server_round)
+class EvaluationLoop(JobLoop):
+    """Closed rounds, their federated evaluation, the history and the best round."""
 
+    def round_closed(self, job: SchedJob, msg: RoundClosed) -> None:
+        if msg.round != job.round or job.evaluation is not None or (
+            job.history and job.history[-1]["round"] == msg.round
+        ):
+            log.info("round_closed_duplicate", closed=msg.round)
+            return
+        if job.state is not None and job.state.round == msg.round and not job.state.closing:
+            log.warning("round_closed_unasked", closed=msg.round)  # not ours to take: wait for quorum
+            return
+        job.model_digest = msg.model_digest
+        state = job.state
+        if state is None:  # round 0: the initial model
+            record = round_record(msg, job.sync, clients=0, failed=0, seconds=0.0)
+        else:
+            seconds = time.monotonic() - state.started
+            record = round_record(msg, job.sync, len(state.reported), len(state.failed), seconds)
+        if federated_due(job.spec, msg.round):
+            self.start_evaluation(job, record)
+        else:
+            self._complete_round(job, record)
 
-def eval_clients(spec: JobSpec, server_round: int) -> list[int]:
-    """The clients that evaluate this round's model: a seeded draw, sorted, like training's."""
-    assert spec.evaluate.federated is not None
-    k = min(spec.evaluate.federated.clients, spec.clients.total)
-    rng = numpy_rng(spec.seed, "evaluate", server_round)
-    return sorted(int(c) for c in rng.choice(spec.clients.total, size=k, replace=False))
+    def start_evaluation(self, job: SchedJob, record: dict[str, Any]) -> None:
+        """Sampled clients evaluate the round's new model; the round completes when they have."""
+        fed = job.spec.evaluate.federated
+        assert fed is not None
+        clients = eval_clients(job.spec, record["round"])
+        self._dispatch_eval(job, record["round"], clients)
+        job.pending, job.eval_reports = record, {}
+        job.evaluation = RoundState(
+            round=record["round"], clients=clients, quorum=min(fed.quorum, len(clients)),
+            deadline=time.monotonic() + job.spec.round_timeout_s, retries_left=job.spec.max_round_retries,
+            started=time.monotonic(),
+        )
+        self._arm_deadline(job)
 
+    def eval_report(self, job: SchedJob, msg: EvalReport) -> None:
+        evaluation = job.evaluation
+        if evaluation is None or evaluation.round != msg.round:
+            log.info("eval_report_stale", reported=msg.round)
+            return
+        if evaluation.record_update(msg.client, msg.num_examples):
+            job.eval_reports[msg.client] = {
+                "num_examples": msg.num_examples, "metrics": msg.metrics, "reduction": msg.reduction,
+            }
+            self._advance_evaluation(job)
 
-def combine_reports(reports: dict[int, dict[str, Any]]) -> dict[str, float]:
-    """The clients' evaluation metrics as one value per name, by the rules the reports carry."""
-    rules: dict[str, str] = {}
-    for report in reports.values():
-        rules.update(report.get("reduction", {}))
-    pairs = [(int(r["num_examples"]), r["metrics"]) for _, r in sorted(reports.items())]
-    return reduce_metrics([(n, m) for n, m in pairs if n > 0], rules)
+    def _advance_evaluation(self, job: SchedJob) -> None:
+        evaluation, record = job.evaluation, job.pending
+        assert evaluation is not None and record is not None
+        decision = evaluation.decide(time.monotonic())
+        if decision is Decision.WAIT:
+            return
+        if decision is Decision.RETRY:
+            self._dispatch_eval(job, evaluation.round, evaluation.missing)
+            evaluation.retry(time.monotonic() + job.spec.round_timeout_s)
+            self._arm_deadline(job)
+            return
+        if decision is Decision.CLOSE:
+            record["metrics"]["federated"] = combine_reports(job.eval_reports)
+        else:  # below quorum with no retries left: the round goes on without federated metrics
+            log.warning("evaluation_below_quorum", reported=len(evaluation.reported),
+                        quorum=evaluation.quorum)
+        record["evaluated_by"] = len(evaluation.reported)
+        job.evaluation, job.pending, job.eval_reports = None, None, {}
+        self._cancel_timers(job)
+        self._complete_round(job, record)
 
+    def _dispatch_eval(self, job: SchedJob, server_round: int, clients: list[int]) -> None:
+        for client in clients:
+            task = EvalTask(
+                job_id=job.job_id, task_id=f"{job.job_id}:e{server_round}:{client}", round=server_round,
+                client=client, model_digest=job.model_digest, spec=job.raw_spec,
+            )
+            self.bus.publish(topology.TASKS, to_wire(task))
 
-def round_record(
-    msg: RoundClosed, sync: dict[str, float], clients: int, failed: int, seconds: float
-) -> dict[str, Any]:
-    """What the history keeps of a closed round."""
-    return {
-        "round": msg.round,
-        "metrics": {source: dict(values) for source, values in msg.metrics.items()},
-        "clients": clients,
-        "failed": failed,
-        "num_examples": msg.num_examples,
-        "seconds": seconds,
-        "model_digest": msg.model_digest,
-        "model_path": msg.model_path,
-        "sync": {**sync, "aggregate_seconds": msg.aggregate_seconds},
-    }
+    def _complete_round(self, job: SchedJob, record: dict[str, Any]) -> None:
+        """The round's record is whole: keep it, tell watchers, then the next round or the end."""
+        job.history.append(record)
+        best = better(job.spec, record, job.best)
+        if best is not None:
+            job.best = best
+        self._event(job.job_id, "round_completed", round=record["round"], data=record)
+        self._gauge_round(job, record)
+        if record["round"] >= job.spec.rounds:
+            self._finish(job, COMPLETED, "", model_path=record.get("model_path"), best=job.best)
+        else:
+            self.start_round(job, record["round"] + 1)
 
-
-def better(spec: JobSpec, record: dict[str, Any], best: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The new best round if `record` beats `best` on the spec's objective, else None."""
-    if spec.objective is None:
-        return None
-    value = lookup(record["metrics"], spec.objective.metric)
-    if value is None or not math.isfinite(value):
-        return None
-    if best is not None:
-        ahead = value > best["value"] if spec.objective.mode == "max" else value < best["value"]
-        if not ahead:
-            return None
-    return {"round": record["round"], "value": value, "model_digest": record["model_digest"]}
+    def _gauge_round(self, job: SchedJob, record: dict[str, Any]) -> None:
+        m = self.metrics
+        m.current_round.labels(job.job_id).set(record["round"])
+        if "federated" in record["metrics"]:  # the aggregator exports the sources it computes
+            m.round_metrics(job.job_id, {"federated": record["metrics"]["federated"]})
+        if record["round"] > 0:
+            m.rounds_completed.labels(job.job_id).inc()
+            m.round_duration.observe(record.get("seconds", 0.0))

@@ -34,6 +34,9 @@ class SchedJob:
     pending: dict[str, Any] | None = None
     best: dict[str, Any] | None = None  # the objective's best round: round, value, model_digest
 
+    error: dict[str, Any] | None = None  # where user code raised, when that ended the job
+    accepted_at: float = 0.0  # wall clock: the start deadline counts from here, across restarts
+
     @property
     def active(self) -> RoundState | None:
         """The bookkeeping whose deadline runs now: the evaluation, else the training round."""

@@ -45,6 +45,7 @@ def job_summary(job: SchedJob, now: float, history: bool) -> dict[str, Any]:
         "objective": None if job.spec.objective is None else job.spec.objective.model_dump(),
         "best": job.best,
         "reason": job.reason,
+        "error": job.error,
         "model_path": last.get("model_path"),
     }
     if job.state is not None and job.status == RUNNING:

@@ -9,13 +9,16 @@ monotonic ones.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from fedmq.common.errors import StateUnwritable
 from fedmq.common.jobspec import parse_job
 from fedmq.services.scheduler.jobs import SchedJob
 from fedmq.services.scheduler.rounds import RoundState
@@ -26,18 +29,31 @@ class JobRows:
         self.path = path
 
     def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, data TEXT NOT NULL)")
+        with self._writing():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, data TEXT NOT NULL)")
 
     def save(self, job: SchedJob) -> None:
-        self._db.execute(
-            "INSERT INTO jobs (job_id, data) VALUES (?, ?) "
-            "ON CONFLICT(job_id) DO UPDATE SET data = excluded.data",
-            (job.job_id, json.dumps(_to_row(job))),
-        )
+        """One statement, so all or nothing; StateUnwritable when the disk or database refuses it."""
+        with self._writing():
+            self._db.execute(
+                "INSERT INTO jobs (job_id, data) VALUES (?, ?) "
+                "ON CONFLICT(job_id) DO UPDATE SET data = excluded.data",
+                (job.job_id, json.dumps(_to_row(job))),
+            )
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:  # SQLITE_FULL, _IOERR, _READONLY, _CANTOPEN ...
+            code = getattr(exc, "sqlite_errorname", "")
+            raise StateUnwritable(str(self.path), None, f"{exc} ({code})" if code else str(exc)) from exc
+        except OSError as exc:
+            raise StateUnwritable(str(self.path), exc.errno, exc.strerror or str(exc)) from exc
 
     def load(self) -> list[dict[str, Any]]:
         rows = self._db.execute("SELECT data FROM jobs ORDER BY rowid").fetchall()
@@ -52,6 +68,7 @@ def _to_row(job: SchedJob) -> dict[str, Any]:
         "eval_reports": [[c, r] for c, r in job.eval_reports.items()],
         "pending": job.pending,
         "best": job.best,
+        "error": job.error, "accepted_at": job.accepted_at,
     }
 
 

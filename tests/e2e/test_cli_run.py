@@ -57,9 +57,8 @@ GOOD = (REPO / "examples" / "digits.yaml").read_text()
          ["no module named 'no_such_pkg'"]),
         (lambda t: t + "\nrounds: [", ["not valid YAML"]),
     ],
-    ids=[
-        "typo", "negative-lr", "per-round-over-total", "unknown-partition", "bad-option", "no-task", "bad-yaml",
-    ],
+    ids=["typo", "negative-lr", "per-round-over-total", "unknown-partition", "bad-option", "no-task",
+         "bad-yaml"],
 )
 def test_a_bad_spec_is_refused_before_anything_runs(tmp_path: Path, edit, expected) -> None:
     state = tmp_path / "state"

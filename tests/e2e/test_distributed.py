@@ -54,6 +54,8 @@ def test_watch_of_a_failing_job_exits_non_zero_with_the_reason(tmp_path: Path) -
         c.wait_learners(1)
         submitted = c.fedmq("submit", str(spec), "--watch")
     assert submitted.returncode == 1
+    # A Task that raises fails the job at once (clients.on_error: fail_job), naming where and why.
+    assert "user code failed in learner train" in submitted.stderr
     assert "simulated out-of-memory" in submitted.stderr and "RuntimeError" in submitted.stderr
 
 

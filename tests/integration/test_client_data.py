@@ -74,7 +74,8 @@ def test_a_thousand_clients_on_two_learners_load_lazily_within_the_cache_bound(t
         "clients": {"total": 1000, "per_round": 100}, "rounds": 2, "train": {"epochs": 1, "batch_size": 8},
         "evaluate": {"server": False},
     })
-    LOADED.clear(), TRAINED.clear(), MOST_LIVE.clear()
+    for table in (LOADED, TRAINED, MOST_LIVE):
+        table.clear()
     settings = Settings(state_dir=tmp_path, data_cache_clients=8)
     result = run_job(spec, settings, learners=2, idle_timeout=60)
     assert result["status"] == "completed"

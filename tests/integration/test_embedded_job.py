@@ -93,7 +93,8 @@ def test_a_users_task_with_its_own_train_runs_end_to_end(settings: Settings) -> 
 
 def test_a_failing_client_leaves_the_round_to_close_at_quorum(settings: Settings) -> None:
     spec = small_job(
-        clients__min_fit=4, task__name="tests.integration.train_plugins:Failing", rounds=2
+        clients__min_fit=4, clients__on_error="drop_client", rounds=2,
+        task__name="tests.integration.train_plugins:Failing",
     )
     train_plugins.FAIL_SIZE[0] = shard_size(spec, 0)
     try:
@@ -107,7 +108,8 @@ def test_a_failing_client_leaves_the_round_to_close_at_quorum(settings: Settings
 
 def test_a_round_below_quorum_fails_the_job_with_a_reason(settings: Settings) -> None:
     spec = small_job(
-        clients__min_fit=5, max_round_retries=1, task__name="tests.integration.train_plugins:Failing"
+        clients__min_fit=5, clients__on_error="drop_client", max_round_retries=1,
+        task__name="tests.integration.train_plugins:Failing",
     )
     train_plugins.FAIL_SIZE[0] = shard_size(spec, 0)
     try:

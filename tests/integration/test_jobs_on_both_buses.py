@@ -40,7 +40,7 @@ def test_global_weights_cross_the_bus_once_per_learner_per_round(transport: Tran
 
 def test_a_failing_client_is_reported_and_the_round_closes_at_quorum(transport: Transport) -> None:
     failing = "tests.integration.train_plugins:Failing"
-    spec = small_job(clients__min_fit=4, rounds=2, task__name=failing)
+    spec = small_job(clients__min_fit=4, clients__on_error="drop_client", rounds=2, task__name=failing)
     train_plugins.FAIL_SIZE[0] = shard_size(spec, 0)
     try:
         result = run_job(spec, transport.settings, connect=transport.connect, idle_timeout=60)

@@ -39,6 +39,7 @@ from fedmq.common.messages import (
     StatusRequest,
     TrainTask,
     UpdateAccepted,
+    UserError,
     expect,
     from_wire,
     to_wire,
@@ -113,6 +114,13 @@ SAMPLES: dict[str, Message] = {
 EXTRA_SAMPLES: dict[str, Message] = {
     "model_reply_error": ModelReply(job_id="j1", digest="ff", error="unknown digest"),
     "client_update_no_tensors": SAMPLES["client_update"].model_copy(update={"weights": {}}),
+    "client_failure_user_code": ClientFailure(
+        job_id="j1", task_id="j1:3:4", round=3, client=4, code="user_code", reason="train: ValueError: x",
+        error=UserError(service="learner", phase="train", type="ValueError", message="x", round=3, client=4),
+    ),
+    "job_failed_user_code": JobFailed(job_id="j1", reason="evaluate raised", error=UserError(
+        service="aggregator", phase="evaluate", type="FloatingPointError", message="overflow", round=2,
+    )),
 }
 
 

@@ -1,0 +1,103 @@
+"""Writing a service's state to disk: whole or not at all, durable once written, failures named.
+
+    write ─▶ .<name>.<pid>.tmp ─▶ fsync ─▶ rename over <name> ─▶ fsync the folder
+              ✗ anywhere: the temp file is removed, the old <name> is untouched,
+                          and StateUnwritable names the path and errno
+
+Readers only ever open final names, so a half-written file (a crash mid-write, a full disk)
+is never picked up; `remove_temps` sweeps what a crash left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from fedmq.common.errors import StateUnwritable
+
+TEMP_SUFFIX = ".tmp"
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Any OSError inside becomes StateUnwritable naming `path` (its own filename if it has one)."""
+    try:
+        yield
+    except OSError as exc:
+        where = exc.filename if isinstance(exc.filename, str) else str(path)
+        raise StateUnwritable(where, exc.errno, exc.strerror or str(exc)) from exc
+
+
+def temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`, durably."""
+
+    def produce(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            _flush(f)
+
+    _replace(path, produce)
+
+
+def atomic_file(path: Path, produce: Callable[[Path], object]) -> None:
+    """Replace `path` with the file `produce(tmp)` writes at a temporary path (a library's writer)."""
+
+    def synced(tmp: Path) -> None:
+        produce(tmp)
+        with open(tmp, "rb") as f:
+            _flush(f)
+
+    _replace(path, synced)
+
+
+def _replace(path: Path, produce: Callable[[Path], object]) -> None:
+    tmp = temp_path(path)
+    with writing(path):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            produce(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
+
+
+def move_into(src: Path, dest: Path) -> None:
+    """Move a file that is already durable (fsynced when written) to `dest`, durably."""
+    with writing(dest):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dest)
+        fsync_dir(dest.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_temps(root: Path) -> int:
+    """Delete temporary files a crash left under `root`; how many there were."""
+    if not root.is_dir():
+        return 0
+    stale = [p for p in root.rglob(f".*{TEMP_SUFFIX}") if p.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
+
+
+def _flush(f: BinaryIO) -> None:
+    """Data on disk before the rename that makes it the state (ENOSPC may only show here)."""
+    f.flush()
+    os.fsync(f.fileno())

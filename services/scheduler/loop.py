@@ -1,0 +1,207 @@
+"""Each job's round loop: open a round, dispatch its tasks, watch its deadlines, close, retry or fail.
+
+    RoundClosed(r-1) ─▶ start_round(r): RoundOpen ─▶ aggregator, TrainTask × k ─▶ learners
+    UpdateAccepted / ClientFailure / a deadline ─▶ advance: CLOSE (RoundClose) | RETRY | FAIL
+    near a round's deadline: tasks still missing go out again (nudge)
+    no round 1 by FEDMQ_JOB_START_TIMEOUT_S after acceptance: the job fails
+
+A mixin of SchedulerService, which owns the attributes declared here.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import structlog
+
+from fedmq.common.bus import topology
+from fedmq.common.bus.base import Bus
+from fedmq.common.errors import StateUnwritable
+from fedmq.common.messages import EventKind, JobEvent, RoundClose, RoundOpen, TrainTask, to_wire
+from fedmq.common.metrics import Metrics
+from fedmq.common.settings import Settings
+from fedmq.common.stateretry import StateRetry
+from fedmq.services.scheduler.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, SchedJob
+from fedmq.services.scheduler.rounds import Decision, RoundState
+from fedmq.services.scheduler.sampling import sample_clients
+from fedmq.services.scheduler.store import JobRows
+
+log = structlog.get_logger("fedmq.scheduler")
+
+NUDGE_BEFORE = 0.2  # re-dispatch missing tasks when this share of the round's time is left
+
+
+class JobLoop:
+    """Rounds, deadlines and the end of every job; SchedulerService supplies the attributes below."""
+
+    settings: Settings
+    bus: Bus
+    metrics: Metrics
+    jobs: dict[str, SchedJob]
+    rows: JobRows
+    retry: StateRetry
+
+    def _dispatch_eval(self, job: SchedJob, server_round: int, clients: list[int]) -> None:
+        raise NotImplementedError  # evaluation.EvaluationLoop
+
+    def _advance_evaluation(self, job: SchedJob) -> None:
+        raise NotImplementedError  # evaluation.EvaluationLoop
+
+    def start_round(self, job: SchedJob, server_round: int) -> None:
+        """Open a round. Everything is published before the job's state moves on, so a
+        publish that fails leaves the RoundClosed that started it to be redelivered and
+        handled again (the aggregator and learners take the repeats as duplicates)."""
+        spec = job.spec
+        clients = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
+        self.bus.publish(
+            topology.AGGREGATOR,
+            to_wire(RoundOpen(job_id=job.job_id, round=server_round, clients=clients)),
+        )
+        self._dispatch(job, server_round, clients)
+        job.round, job.sync = server_round, {}
+        job.state = RoundState(
+            round=server_round,
+            clients=clients,
+            quorum=spec.clients.quorum,
+            deadline=time.monotonic() + spec.round_timeout_s,
+            retries_left=spec.max_round_retries,
+            started=time.monotonic(),
+        )
+        self._arm_deadline(job)
+        self._event(job.job_id, "round_started", round=server_round, data={"clients": len(clients)})
+
+    def _dispatch(self, job: SchedJob, server_round: int, clients: list[int]) -> None:
+        for client in clients:
+            task = TrainTask(
+                job_id=job.job_id,
+                task_id=f"{job.job_id}:{server_round}:{client}",
+                round=server_round,
+                client=client,
+                model_digest=job.model_digest,
+                spec=job.raw_spec,
+            )
+            self.bus.publish(topology.TASKS, to_wire(task))
+
+    def _cancel_timers(self, job: SchedJob) -> None:
+        for timer in (job.timer, job.nudge):
+            if timer is not None:
+                timer.cancel()
+
+    def _arm_deadline(self, job: SchedJob) -> None:
+        """Timers for what runs now: the training round, or the evaluation of the round just closed."""
+        self._cancel_timers(job)
+        active = job.active
+        assert active is not None
+        delay = max(0.0, active.deadline - time.monotonic())
+        server_round = active.round
+        job.timer = self.bus.call_later(delay, lambda: self._on_deadline(job.job_id, server_round))
+        # Near the deadline, tasks still missing go out again with the same ids: a learner that
+        # froze (no broker redelivery yet) should not cost the round its quorum. Duplicates are ignored.
+        nudge_in = delay - NUDGE_BEFORE * job.spec.round_timeout_s
+        if nudge_in > 0:
+            job.nudge = self.bus.call_later(nudge_in, lambda: self._on_nudge(job.job_id, server_round))
+
+    def _on_nudge(self, job_id: str, server_round: int) -> None:
+        job = self.jobs.get(job_id)
+        active = job.active if job is not None and job.status == RUNNING else None
+        if job is None or active is None or active.round != server_round:
+            return
+        missing = [c for c in active.missing if c not in active.failed]
+        if active.closing or not missing:
+            return
+        log.info("round_redispatch", round=server_round, missing=len(missing))
+        self.metrics.tasks_redispatched.inc(len(missing))
+        if job.evaluation is not None:
+            self._dispatch_eval(job, server_round, missing)
+        else:
+            self._dispatch(job, server_round, missing)
+
+    def _on_deadline(self, job_id: str, server_round: int) -> None:
+        job = self.jobs.get(job_id)
+        active = job.active if job is not None and job.status == RUNNING else None
+        if job is None or active is None or active.round != server_round:
+            return
+        if job.evaluation is not None:
+            self._advance_evaluation(job)
+        else:
+            self._advance(job)
+        self._save(job)
+
+    def _save(self, job: SchedJob) -> None:
+        """Persist what a timer changed (no message will come again): retried until the disk takes it."""
+        try:
+            self.rows.save(job)
+        except StateUnwritable as exc:
+            self.retry.later(exc, functools.partial(self._save, job))
+
+    def _advance(self, job: SchedJob) -> None:
+        state = job.state
+        assert state is not None
+        decision = state.decide(time.monotonic())
+        if decision is Decision.CLOSE:
+            clients = sorted(state.reported)
+            if len(clients) < len(state.clients):
+                self.metrics.rounds_closed_at_deadline.inc()
+            log.info("round_closing", reported=len(clients), sampled=len(state.clients),
+                     failed=len(state.failed))
+            self.bus.publish(  # first: if it fails, the message that got us here comes again
+                topology.AGGREGATOR,
+                to_wire(RoundClose(job_id=job.job_id, round=state.round, clients=clients)),
+            )
+            state.closing = True
+            self._cancel_timers(job)
+        elif decision is Decision.RETRY:
+            missing = state.missing
+            log.warning("round_retry", missing=len(missing), retries_left=state.retries_left - 1)
+            self.metrics.round_retries.inc()
+            try:
+                self._dispatch(job, state.round, missing)
+            except Exception:
+                # A timer has no message to be redelivered: try again shortly.
+                job.timer = self.bus.call_later(1.0, lambda: self._on_deadline(job.job_id, state.round))
+                raise
+            state.retry(time.monotonic() + job.spec.round_timeout_s)
+            self._arm_deadline(job)
+        elif decision is Decision.FAIL:
+            reasons = sorted(set(state.failed.values()))[:3]
+            self._finish(job, FAILED, (
+                f"round {state.round}: {len(state.reported)} of {len(state.clients)} clients "
+                f"reported, quorum is {state.quorum}; failures: {reasons or 'timeouts'}"
+            ))
+
+    def _arm_start(self, job: SchedJob) -> None:
+        """No job waits for its first round longer than the start deadline, whatever holds it up."""
+        limit = self.settings.job_start_timeout_s
+        delay = max(0.0, job.accepted_at + limit - time.time()) if job.accepted_at else limit
+        self.bus.call_later(delay, functools.partial(self._on_start_deadline, job.job_id))
+
+    def _on_start_deadline(self, job_id: str) -> None:
+        job = self.jobs.get(job_id)
+        if job is None or job.status != RUNNING or job.round > 0:
+            return
+        limit = self.settings.job_start_timeout_s
+        self._finish(job, FAILED, (
+            f"job did not start within {limit:g} s: the aggregator never reported its initial model "
+            "(is `fedmq aggregator` running on this broker and vhost? its log says why); "
+            "FEDMQ_JOB_START_TIMEOUT_S sets this limit"
+        ))
+        self._save(job)
+
+    def _finish(
+        self, job: SchedJob, status: str, reason: str, error: dict[str, Any] | None = None, **data: Any
+    ) -> None:
+        """End the job; `error`: where its user code raised (then in the event's data too)."""
+        job.status, job.reason, job.error = status, reason, error
+        if error is not None:
+            data["error"] = error
+        self._cancel_timers(job)
+        kind: EventKind = {COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled"}[status]  # type: ignore[assignment]
+        self._event(job.job_id, kind, round=job.round, data={"reason": reason, **data})
+        log.info("job_finished", status=status, reason=reason)
+
+    def _event(self, job_id: str, kind: EventKind, round: int | None = None,
+               rounds: int | None = None, data: dict[str, Any] | None = None) -> None:
+        event = JobEvent(job_id=job_id, kind=kind, round=round, rounds=rounds, data=data or {})
+        self.bus.publish_event(topology.job_topic(job_id), to_wire(event))

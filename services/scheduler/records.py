@@ -1,0 +1,78 @@
+"""The record of a closed round, the best round so far, and federated evaluation's sample: pure helpers.
+
+RoundClosed(r) ─▶ record ─┬─(federated evaluation due at r)─▶ EvalTask × k ─▶ EvalReports
+                          │                                      ─▶ record.metrics.federated
+                          └─▶ history, best round, event round_completed, round r + 1
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fedmq.common.jobspec import JobSpec
+from fedmq.common.messages import RoundClosed, UpdateAccepted
+from fedmq.common.seeding import numpy_rng
+from fedmq.common.task.metrics import lookup, reduce_metrics
+
+
+def add_sync(sync: dict[str, float], msg: UpdateAccepted) -> None:
+    """Add an accepted update's traffic and time to its round's sums."""
+    for key, value in (
+        ("train_seconds", msg.train_seconds), ("fetch_seconds", msg.fetch_seconds),
+        ("bytes_up", msg.bytes), ("bytes_down", msg.fetch_bytes),
+    ):
+        sync[key] = sync.get(key, 0.0) + value
+
+
+def federated_due(spec: JobSpec, server_round: int) -> bool:
+    """Whether clients evaluate the global model of this round."""
+    return server_round > 0 and spec.evaluate.federated is not None and spec.evaluates(server_round)
+
+
+def eval_clients(spec: JobSpec, server_round: int) -> list[int]:
+    """The clients that evaluate this round's model: a seeded draw, sorted, like training's."""
+    assert spec.evaluate.federated is not None
+    k = min(spec.evaluate.federated.clients, spec.clients.total)
+    rng = numpy_rng(spec.seed, "evaluate", server_round)
+    return sorted(int(c) for c in rng.choice(spec.clients.total, size=k, replace=False))
+
+
+def combine_reports(reports: dict[int, dict[str, Any]]) -> dict[str, float]:
+    """The clients' evaluation metrics as one value per name, by the rules the reports carry."""
+    rules: dict[str, str] = {}
+    for report in reports.values():
+        rules.update(report.get("reduction", {}))
+    pairs = [(int(r["num_examples"]), r["metrics"]) for _, r in sorted(reports.items())]
+    return reduce_metrics([(n, m) for n, m in pairs if n > 0], rules)
+
+
+def round_record(
+    msg: RoundClosed, sync: dict[str, float], clients: int, failed: int, seconds: float
+) -> dict[str, Any]:
+    """What the history keeps of a closed round."""
+    return {
+        "round": msg.round,
+        "metrics": {source: dict(values) for source, values in msg.metrics.items()},
+        "clients": clients,
+        "failed": failed,
+        "num_examples": msg.num_examples,
+        "seconds": seconds,
+        "model_digest": msg.model_digest,
+        "model_path": msg.model_path,
+        "sync": {**sync, "aggregate_seconds": msg.aggregate_seconds},
+    }
+
+
+def better(spec: JobSpec, record: dict[str, Any], best: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The new best round if `record` beats `best` on the spec's objective, else None."""
+    if spec.objective is None:
+        return None
+    value = lookup(record["metrics"], spec.objective.metric)
+    if value is None or not math.isfinite(value):
+        return None
+    if best is not None:
+        ahead = value > best["value"] if spec.objective.mode == "max" else value < best["value"]
+        if not ahead:
+            return None
+    return {"round": record["round"], "value": value, "model_digest": record["model_digest"]}

@@ -1,0 +1,94 @@
+"""State writes on a real full disk: a clear error, the old file whole, no half-written file, then room again.
+
+The disk is a 1 MiB tmpfs, where the machine lets the test mount one (as root); elsewhere these
+tests skip and tests/integration/test_disk_trouble.py still injects ENOSPC into the same writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedmq.common import statefiles
+from fedmq.common.checkpoint import load_state, save_state
+from fedmq.common.errors import StateUnwritable
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    where = tmp_path / "disk"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False, capture_output=True)
+
+
+def fill(disk: Path) -> Path:
+    """Take every free byte; the ballast file is the room to give back."""
+    ballast = disk / "ballast"
+    with open(ballast, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return ballast
+
+
+def temps(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.name.endswith(statefiles.TEMP_SUFFIX)]
+
+
+def test_a_write_to_a_full_disk_names_path_and_errno_and_keeps_the_old_file(tiny_disk: Path) -> None:
+    target = tiny_disk / "job" / "rounds.json"
+    statefiles.atomic_write(target, b'{"0": "old"}')
+    ballast = fill(tiny_disk)
+    with pytest.raises(StateUnwritable) as caught:
+        statefiles.atomic_write(target, b"x" * 100_000)
+    assert (caught.value.errno, caught.value.path) == (errno.ENOSPC, str(target))
+    assert target.read_bytes() == b'{"0": "old"}'
+    assert temps(tiny_disk) == [], "the half-written temporary file is gone, and its space with it"
+    ballast.unlink()
+    statefiles.atomic_write(target, b"x" * 100_000)
+    assert target.read_bytes() == b"x" * 100_000
+
+
+def test_a_checkpoint_on_a_full_disk_is_never_torn(tiny_disk: Path) -> None:
+    path = tiny_disk / "checkpoints" / "a.safetensors"
+    save_state(path, {"w": torch.ones(4)})
+    ballast = fill(tiny_disk)
+    with pytest.raises(StateUnwritable) as caught:
+        save_state(path, {"w": torch.zeros(100_000)})
+    assert caught.value.errno == errno.ENOSPC
+    assert torch.equal(load_state(path)[0]["w"], torch.ones(4)), "the old checkpoint reads back whole"
+    assert temps(tiny_disk) == []
+    ballast.unlink()
+    save_state(path, {"w": torch.zeros(100_000)})
+    assert torch.equal(load_state(path)[0]["w"], torch.zeros(100_000))
+
+
+def test_a_temporary_file_a_crash_left_is_never_read_and_is_swept(tmp_path: Path) -> None:
+    target = tmp_path / "job" / "closed.json"
+    statefiles.atomic_write(target, b'{"round": 1}')
+    torn = statefiles.temp_path(target).with_name(f".{target.name}.99999{statefiles.TEMP_SUFFIX}")
+    torn.write_bytes(b'{"round": 2')  # half a write, as a crash leaves it
+    assert target.read_bytes() == b'{"round": 1}'
+    assert statefiles.remove_temps(tmp_path) == 1
+    assert temps(tmp_path) == [] and target.exists()
+
+
+def test_a_folder_that_cannot_be_made_is_unwritable_state(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").write_bytes(b"")  # a file where the folder should be
+    with pytest.raises(StateUnwritable) as caught:
+        statefiles.atomic_write(tmp_path / "checkpoints" / "a.json", b"{}")
+    assert caught.value.errno in (errno.EEXIST, errno.ENOTDIR)
