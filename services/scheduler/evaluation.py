@@ -36,13 +36,13 @@ class EvaluationLoop(JobLoop):
     """Closed rounds, their federated evaluation, the history and the best round."""
 
     def round_closed(self, job: SchedJob, msg: RoundClosed) -> None:
-        if msg.round != job.round or job.evaluation is not None or (
-            job.history and job.history[-1]["round"] == msg.round
-        ):
+        if msg.round != job.round or job.evaluation is not None:
             log.info("round_closed_duplicate", closed=msg.round)
             return
         if job.state is not None and job.state.round == msg.round and not job.state.closing:
             log.warning("round_closed_unasked", closed=msg.round)  # not ours to take: wait for quorum
+            return
+        if self._recorded(job, msg.round):
             return
         job.model_digest = msg.model_digest
         state = job.state
@@ -73,7 +73,8 @@ class EvaluationLoop(JobLoop):
     def eval_report(self, job: SchedJob, msg: EvalReport) -> None:
         evaluation = job.evaluation
         if evaluation is None or evaluation.round != msg.round:
-            log.info("eval_report_stale", reported=msg.round)
+            if not self._recorded(job, msg.round):
+                log.info("eval_report_stale", reported=msg.round)
             return
         if evaluation.record_update(msg.client, msg.num_examples):
             job.eval_reports[msg.client] = {
@@ -118,10 +119,25 @@ class EvaluationLoop(JobLoop):
             job.best = best
         self._event(job.job_id, "round_completed", round=record["round"], data=record)
         self._gauge_round(job, record)
+        self._go_on(job, record)
+
+    def _go_on(self, job: SchedJob, record: dict[str, Any]) -> None:
         if record["round"] >= job.spec.rounds:
             self._finish(job, COMPLETED, "", model_path=record.get("model_path"), best=job.best)
         else:
             self.start_round(job, record["round"] + 1)
+
+    def _recorded(self, job: SchedJob, server_round: int) -> bool:
+        """A round recorded whose next one never started (a publish failed): start it now.
+
+        The message that completed the round is handled again after a lost connection; the
+        record stays as it was, and the job goes on from it. True when that was the case.
+        """
+        if not (job.history and job.history[-1]["round"] == server_round == job.round):
+            return False
+        log.info("round_recorded_going_on", round=server_round)
+        self._go_on(job, job.history[-1])
+        return True
 
     def _gauge_round(self, job: SchedJob, record: dict[str, Any]) -> None:
         m = self.metrics

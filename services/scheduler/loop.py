@@ -123,10 +123,15 @@ class JobLoop:
         active = job.active if job is not None and job.status == RUNNING else None
         if job is None or active is None or active.round != server_round:
             return
-        if job.evaluation is not None:
-            self._advance_evaluation(job)
-        else:
-            self._advance(job)
+        try:
+            if job.evaluation is not None:
+                self._advance_evaluation(job)
+            else:
+                self._advance(job)
+        except Exception:
+            # A timer has no message to be redelivered: look again shortly.
+            job.timer = self.bus.call_later(1.0, functools.partial(self._on_deadline, job_id, server_round))
+            raise
         self._save(job)
 
     def _save(self, job: SchedJob) -> None:
@@ -156,12 +161,7 @@ class JobLoop:
             missing = state.missing
             log.warning("round_retry", missing=len(missing), retries_left=state.retries_left - 1)
             self.metrics.round_retries.inc()
-            try:
-                self._dispatch(job, state.round, missing)
-            except Exception:
-                # A timer has no message to be redelivered: try again shortly.
-                job.timer = self.bus.call_later(1.0, lambda: self._on_deadline(job.job_id, state.round))
-                raise
+            self._dispatch(job, state.round, missing)  # a failure: the message comes again, or the timer
             state.retry(time.monotonic() + job.spec.round_timeout_s)
             self._arm_deadline(job)
         elif decision is Decision.FAIL:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import pika.exceptions
 import pytest
 
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
-from fedmq.common.messages import JobEvent
+from fedmq.common.messages import JobEvent, RoundOpen, from_wire
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
 from tests.conftest import EmbeddedRuns, assert_bit_identical, assert_matches_reference, shard_size, small_job
@@ -90,3 +94,32 @@ def test_a_task_missing_near_the_deadline_is_sent_again_and_the_round_keeps_ever
     # the hung attempt's update arrives later and changes nothing
     assert_bit_identical(load_state(result["model_path"])[0], undisturbed)
     assert_matches_reference(result, reference_fedavg(spec))
+
+
+@pytest.mark.rabbitmq
+def test_a_round_whose_next_round_failed_to_open_goes_on_when_its_message_comes_again(
+    tmp_path: Path, embedded_runs: EmbeddedRuns
+) -> None:
+    # Found by the chaos test: the scheduler recorded round r, then lost the broker while it opened
+    # round r + 1; the RoundClosed that came again was taken for a duplicate and the job stalled.
+    spec = small_job(rounds=3)
+    failed: list[int] = []
+
+    class LosesTheBrokerOnce(RabbitBus):
+        def publish(self, queue: str, body: bytes, **kwargs: Any) -> None:
+            msg = from_wire(body)
+            if isinstance(msg, RoundOpen) and msg.round == 2 and not failed:
+                failed.append(msg.round)
+                raise pika.exceptions.StreamLostError("the broker closed the connection")
+            super().publish(queue, body, **kwargs)
+
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, log_format="json")
+
+        def connect(name: str) -> RabbitBus:
+            return (LosesTheBrokerOnce if name == "scheduler" else RabbitBus)(settings, name)
+
+        result = run_job(spec, settings, connect=connect, idle_timeout=60)
+    assert failed == [2] and result["status"] == "completed"
+    assert [h["round"] for h in result["history"]] == [0, 1, 2, 3]
+    assert_bit_identical(load_state(result["model_path"])[0], embedded_runs.weights(spec))
