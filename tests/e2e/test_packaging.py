@@ -97,32 +97,33 @@ def test_the_installed_wheel_imports_as_fedmq_only_from_anywhere(venv: Path, tmp
     assert version.stdout.strip() == f"fedmq {fedmq.__version__}"
 
 
-USERS_NETS = '''
-import math
-
+USERS_TASK = '''
 from torch import nn
 
+from fedmq.tasks.digits import Digits
 
-def build(*, input_shape: tuple[int, ...], num_classes: int, width: int = 16) -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), width), nn.ReLU(),
-                         nn.Linear(width, num_classes))
+
+class Wide(Digits):
+    """The user's own Task: digits with a wider network of their own."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
 '''
 
 USERS_JOB = """\
 name: users-common
 seed: 1
-model: {entrypoint: "common.nets:build", options: {width: 16}}
-data: {name: digits, partition: {kind: iid}}
+task: {name: "common.tasks:Wide", options: {partition: {kind: iid}}}
 clients: {total: 2}
 rounds: 2
 train: {epochs: 1, batch_size: 64, lr: 0.1}
 """
 
 
-def test_a_users_own_package_named_common_serves_as_a_model_plugin(venv: Path, tmp_path: Path) -> None:
+def test_a_users_own_package_named_common_holds_the_task(venv: Path, tmp_path: Path) -> None:
     (tmp_path / "common").mkdir()
     (tmp_path / "common" / "__init__.py").write_text("")
-    (tmp_path / "common" / "nets.py").write_text(USERS_NETS)
+    (tmp_path / "common" / "tasks.py").write_text(USERS_TASK)
     (tmp_path / "job.yaml").write_text(USERS_JOB)
     state = tmp_path / "state"
     done = run(venv / "bin" / "fedmq", "run", "job.yaml", "--json", "--state-dir", state, cwd=tmp_path)
