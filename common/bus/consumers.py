@@ -117,7 +117,10 @@ class Consumers:
             if not self.ready.is_set():
                 remember()
                 return
-        self._link.run_on_loop(both)
+        try:
+            self._link.run_on_loop(both)
+        except ConnectionError:  # lost before it ran: remember it for the next connect (or run it then)
+            self._register(remember, start)
 
     def _start_consumer(self, consumer: _Consumer) -> None:
         assert self._link.channel is not None
@@ -171,6 +174,8 @@ class Consumers:
         except PIKA_ERRORS:
             raise
         except Exception as exc:  # a handler bug must not kill the service: dead-letter
+            if self._link.is_lost():  # pika's error from a dead connection, whatever its type
+                raise ConnectionError(f"connection lost in the {consumer.queue} handler: {exc!r}") from exc
             log.exception("handler_crashed", queue=consumer.queue)
             delivery.reject(f"handler_error: {type(exc).__name__}")
 
