@@ -38,7 +38,6 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(2048 * MiB, gt=0, description="largest reassembled message")
     delivery_limit: int = Field(20, ge=1, description="deliveries of one message before it is dead-lettered")
     liveness_s: float = Field(5.0, gt=0, description="how often learners report to the scheduler")
-    blob_wait_s: float = Field(30.0, gt=0, description="how long to wait for a large message's chunks")
     heartbeat_s: int = Field(30, ge=1, description="AMQP heartbeat")
     request_timeout_s: float = Field(120.0, gt=0, description="model fetch and publish timeout")
     retry_initial_s: float = Field(0.5, gt=0, description="first reconnect backoff")

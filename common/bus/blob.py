@@ -2,20 +2,27 @@
 
     sender ──chunks 0..n-1──▶ [fedmq.blob.<id>]   (x-expires: deleted after an hour unused)
            ──envelope (empty body; names the blob, count, size, sha256)──▶ destination queue
-    receiver, holding the envelope ──basic_get, in order──▶ checked body ──▶ handler
+    receiver, holding the envelope ──passive declare: n chunks there? ─✗─▶ refused at once
+                                   ──basic_get, in order──▶ checked body ──▶ handler
              envelope settled ──▶ queue_delete fedmq.blob.<id>
 
 The chunks go to a queue of their own (`fedmq.blob.<id>`, expiring when unused)
 and a small envelope that names it goes to the destination. The receiver reads
 the chunks while it holds the envelope and deletes the blob queue once the
 envelope is settled, so a crash anywhere leaves either the whole message or nothing.
+
+Nothing waits for a chunk. Every chunk is confirmed before the envelope is sent, so
+when an envelope arrives its blob queue already holds all of them: a passive declare
+counts them, and an envelope whose chunks are not all there is refused before any is
+read, whatever it claims. A receiver that gives an envelope back first gives back its
+chunks, on the channel its next passive declare goes through, so the broker has them
+back before it counts them again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -78,12 +85,10 @@ class BlobReader:
         connection: Callable[[], BlockingConnection | None],
         *,
         max_bytes: int,
-        wait_s: float,
         on_chunk: Callable[[int], None],
     ) -> None:
         self._connection = connection  # the bus's current connection, None while it has none
         self._max_bytes = max_bytes
-        self._wait_s = wait_s
         self._on_chunk = on_chunk
         self._ch: BlockingChannel | None = None
 
@@ -151,23 +156,16 @@ class BlobReader:
         assert conn is not None
         ch = self._channel(conn)
         blob, count, size = headers[H_BLOB], headers[H_COUNT], headers[H_SIZE]
+        ready = self._ready(ch, blob)
+        if ready < count:
+            raise DecodeBlobError(f"only {ready} of {count} chunks arrived")
         digest = hashlib.sha256()
-        received, deadline = 0, time.monotonic() + self._wait_s
+        received = 0
         for index in range(count):
-            while True:
-                try:
-                    method, props, chunk = ch.basic_get(blob, auto_ack=False)
-                except pika.exceptions.ChannelClosedByBroker as exc:
-                    # The blob queue is gone (expired, deleted, never made): only the chunk
-                    # channel is lost with it; the envelope is rejected on the main one.
-                    self._ch = None
-                    raise DecodeBlobError(f"blob queue unavailable: {exc.reply_text}") from None
-                if method is not None:
-                    tags.append(method.delivery_tag)
-                    break
-                if time.monotonic() > deadline:
-                    raise DecodeBlobError(f"only {index} of {count} chunks arrived")
-                conn.sleep(0.05)
+            method, props, chunk = self._get(ch, blob)
+            if method is None:  # counted a moment ago: another reader took it
+                raise DecodeBlobError(f"only {index} of {count} chunks arrived")
+            tags.append(method.delivery_tag)
             got = (props.headers or {}).get(H_INDEX)
             if got != index or received + len(chunk) > size:
                 raise DecodeBlobError(f"chunk {got} out of order or oversized (expected {index})")
@@ -179,6 +177,25 @@ class BlobReader:
             raise DecodeBlobError(f"blob has {received} bytes, envelope says {size}")
         if digest.hexdigest() != headers.get(H_DIGEST):
             raise DecodeBlobError("digest mismatch")
+
+    def _ready(self, ch: BlockingChannel, blob: str) -> int:
+        """How many chunks the blob queue holds, asked without waiting for any."""
+        try:
+            return int(ch.queue_declare(blob, passive=True).method.message_count)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            raise self._unavailable(exc) from None
+
+    def _get(self, ch: BlockingChannel, blob: str) -> tuple[Any, Any, bytes]:
+        try:
+            return ch.basic_get(blob, auto_ack=False)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            raise self._unavailable(exc) from None
+
+    def _unavailable(self, exc: pika.exceptions.ChannelClosedByBroker) -> DecodeBlobError:
+        # The blob queue is gone (expired, deleted, never made): only the chunk channel is
+        # lost with it; the envelope is rejected on the main one.
+        self._ch = None
+        return DecodeBlobError(f"blob queue unavailable: {exc.reply_text}")
 
     def _channel(self, conn: BlockingConnection) -> BlockingChannel:
         if self._ch is None or not self._ch.is_open:

@@ -42,7 +42,7 @@ class RabbitBus(Bus):
         self._link = BrokerConnection(settings, name, on_open=self._on_open, on_lost=self._on_lost)
         self._blobs = BlobReader(
             lambda: self._link.conn,
-            max_bytes=settings.max_message_bytes, wait_s=settings.blob_wait_s, on_chunk=self._count_received,
+            max_bytes=settings.max_message_bytes, on_chunk=self._count_received,
         )
         self._consumers = Consumers(
             self._link, self._blobs, frame_bytes=settings.frame_bytes,
