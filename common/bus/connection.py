@@ -31,7 +31,7 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 from fedmq.common.bus.base import Timer
-from fedmq.common.bus.topology import declare_topology
+from fedmq.common.bus.topology import declare_topology, refused_queue_advice
 from fedmq.common.errors import BrokerUnavailable
 from fedmq.common.settings import Settings
 
@@ -105,9 +105,8 @@ class BrokerConnection:
             self.drop()
             if exc.reply_code == 406:
                 raise BrokerUnavailable(
-                    f"RabbitMQ at {self.settings.safe_broker_url} refused fedmq's queues: {exc.reply_text}. "
-                    "They exist with other arguments (FEDMQ_DELIVERY_LIMIT changed?): delete them or "
-                    "use a fresh vhost."
+                    f"RabbitMQ at {self.settings.safe_broker_url} refused fedmq's queues: "
+                    f"{refused_queue_advice(exc.reply_text)}"
                 ) from None
             raise BrokerUnavailable(unreachable_message(self.settings, exc)) from None
         except (*CONNECTION_ERRORS, OSError) as exc:

@@ -3,7 +3,7 @@
     message ─▶ over the frame size, not a blob ───────────────────────▶ dead-letter "oversize"
             ─▶ a blob's envelope: read its chunks (size, order, digest) ─✗─▶ dead-letter "blob: ..."
             ─▶ handler ─▶ ack       gone (and its blob queue deleted)
-                       ─▶ reject    to fedmq.dead with the reason, then acked
+                       ─▶ reject    to fedmq.dead with the reason (a large body dropped), then acked
                        ─▶ requeue   its chunks back to the blob queue, then itself
                        ─✗ raises    dead-letter "handler_error: <type>"; a pika error reconnects
 
@@ -29,7 +29,7 @@ from fedmq.common.bus.connection import PIKA_ERRORS, BrokerConnection
 
 log = structlog.get_logger("fedmq.bus")
 
-H_REASON, H_QUEUE = "x-fedmq-reason", "x-fedmq-queue"
+H_REASON, H_QUEUE, H_DROPPED = "x-fedmq-reason", "x-fedmq-queue", "x-fedmq-dropped-bytes"
 
 
 @dataclass(eq=False)
@@ -68,12 +68,14 @@ class Consumers:
         blobs: BlobReader,
         *,
         frame_bytes: int,
+        dead_body_bytes: int,
         on_bytes: Callable[[int], None],
         on_dead_letter: Callable[[str], None],
     ) -> None:
         self._link = connection
         self._blobs = blobs
         self._frame_bytes = frame_bytes
+        self._dead_body_bytes = dead_body_bytes  # a dead letter's body beyond this is dropped
         self._on_bytes = on_bytes  # every message body received
         self._on_dead_letter = on_dead_letter
         self._consumers: list[_Consumer] = []
@@ -211,6 +213,9 @@ class Consumers:
         headers = {**delivery.headers, H_REASON: reason[:1000], H_QUEUE: delivery.queue}
         # A blob's envelope is dead-lettered without its chunks (they expire with their queue).
         body = b"" if delivery._blob is not None else bytes(delivery.body)
+        if len(body) > self._dead_body_bytes:  # the reason stays; a hostile body need not
+            headers[H_DROPPED] = len(body)
+            body = b""
         self._link.channel.basic_publish(
             "", topology.DEAD_LETTERS, body,
             pika.BasicProperties(delivery_mode=2, headers=headers), mandatory=True,

@@ -46,6 +46,7 @@ class RabbitBus(Bus):
         )
         self._consumers = Consumers(
             self._link, self._blobs, frame_bytes=settings.frame_bytes,
+            dead_body_bytes=settings.dead_letter_body_bytes,
             on_bytes=self._count_received, on_dead_letter=self._dead_lettered,
         )
         self._waiters: dict[str, Future[bytes]] = {}
