@@ -36,6 +36,11 @@ class Settings(BaseSettings):
     )
     frame_bytes: int = Field(4 * MiB, ge=64 * 1024, description="largest single broker message")
     max_message_bytes: int = Field(2048 * MiB, gt=0, description="largest reassembled message")
+    blob_expiry_s: int = Field(
+        600, ge=1, le=4_294_967,
+        description="a large message's chunk queue unused this long is deleted (a sender that died); "
+        "keep it above the longest wait of a message in its queue",
+    )
     delivery_limit: int = Field(20, ge=1, description="deliveries of one message before it is dead-lettered")
     # fedmq.dead is bounded three ways; past any bound the oldest dead letters are dropped.
     dead_letter_max_count: int = Field(

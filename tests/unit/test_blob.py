@@ -25,6 +25,7 @@ from fedmq.common.bus.blob import (
 )
 
 BODY = bytes(range(256)) * 3 + b"tail"  # 772 bytes: 8 chunks of 100, the last short
+ORPHANS: list[str] = []  # blob queues a failed send could not delete (on_orphan)
 
 
 class FakeChannel:
@@ -91,8 +92,8 @@ def sent(body: bytes = BODY, frame: int = 100) -> tuple[FakeChannel, dict[str, A
     ch = FakeChannel()
     counted: list[int] = []
     props = pika.BasicProperties(delivery_mode=2, correlation_id="c1", headers={"k": "v"})
-    publish_blob(ch, "", "fedmq.aggregator", body, props,
-                 mandatory=True, frame_bytes=frame, on_chunk=counted.append)
+    publish_blob(ch, "", "fedmq.aggregator", body, props, mandatory=True, frame_bytes=frame,
+                 expiry_s=600, on_chunk=counted.append, on_orphan=ORPHANS.append)
     [(exchange, key, envelope)] = ch.envelopes
     assert (exchange, key, envelope.correlation_id) == ("", "fedmq.aggregator", "c1")
     return ch, dict(envelope.headers), counted
@@ -182,3 +183,50 @@ def test_requeue_gives_back_the_chunks_taken_and_delete_drops_the_queue() -> Non
     blobs.delete("fedmq.tasks")  # not a blob: never deleted
     blobs.delete(headers[H_BLOB])
     assert headers[H_BLOB] not in ch.queues
+
+
+class FailingChannel(FakeChannel):
+    """Fails the n-th publish (a chunk or the envelope) with `error`; open or not afterwards."""
+
+    def __init__(self, fail_at: int, error: Exception, stays_open: bool) -> None:
+        super().__init__()
+        self.fail_at, self.error, self.stays_open, self.published = fail_at, error, stays_open, 0
+
+    def basic_publish(
+        self, exchange: str, key: str, body: bytes, props: pika.BasicProperties, mandatory: bool = False
+    ) -> None:
+        self.published += 1
+        if self.published == self.fail_at:
+            self.is_open = self.stays_open
+            raise self.error
+        super().basic_publish(exchange, key, body, props, mandatory)
+
+
+def publish_failing(ch: FailingChannel) -> list[str]:
+    """Publish BODY (8 chunks and an envelope) on `ch`, expecting its error; the orphans handed over."""
+    orphans: list[str] = []
+    with pytest.raises(type(ch.error)):
+        publish_blob(ch, "", "fedmq.aggregator", BODY, pika.BasicProperties(), mandatory=True,
+                     frame_bytes=100, expiry_s=600, on_chunk=lambda n: None, on_orphan=orphans.append)
+    return orphans
+
+
+def test_a_send_failing_between_chunks_deletes_its_blob_queue() -> None:
+    ch = FailingChannel(3, pika.exceptions.NackError([]), stays_open=True)
+    assert publish_failing(ch) == [] and ch.queues == {}
+
+
+def test_a_send_cut_off_between_chunks_leaves_its_blob_queue_to_the_next_connection() -> None:
+    ch = FailingChannel(3, pika.exceptions.StreamLostError("gone"), stays_open=False)
+    orphans = publish_failing(ch)
+    assert orphans == list(ch.queues) and len(orphans) == 1
+
+
+def test_an_envelope_the_broker_refuses_deletes_its_blob_queue() -> None:
+    ch = FailingChannel(9, pika.exceptions.UnroutableError([]), stays_open=True)
+    assert publish_failing(ch) == [] and ch.queues == {}
+
+
+def test_an_envelope_lost_before_its_confirm_keeps_its_blob_for_the_reader() -> None:
+    ch = FailingChannel(9, pika.exceptions.StreamLostError("gone"), stays_open=False)
+    assert publish_failing(ch) == [] and len(ch.queues[next(iter(ch.queues))]) == 8
