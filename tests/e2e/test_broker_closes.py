@@ -27,12 +27,12 @@ CLOSES = 8
 FRAME_BYTES = 64 * 1024  # the smallest frame: a 4.4 MB update goes as ~70 chunks
 
 
-def chunked_job(tmp_path: Path) -> Path:
+def chunked_job(tmp_path: Path, rounds: int = 6) -> Path:
     """The example, with a model large enough for chunked updates, short enough for a test."""
     spec = tmp_path / "chunked.yaml"
     spec.write_text(
         (REPO / "examples" / "digits.yaml").read_text()
-        .replace("hidden: [128]", "hidden: [1024, 1024]").replace("rounds: 30", "rounds: 6")
+        .replace("hidden: [128]", "hidden: [1024, 1024]").replace("rounds: 30", f"rounds: {rounds}")
         .replace("epochs: 5", "epochs: 1")
     )
     return spec
