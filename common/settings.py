@@ -43,9 +43,27 @@ class Settings(BaseSettings):
     )
     frame_bytes: int = Field(4 * MiB, ge=64 * 1024, description="largest single broker message")
     max_message_bytes: int = Field(2048 * MiB, gt=0, description="largest reassembled message")
+    blob_expiry_s: int = Field(
+        600, ge=1, le=4_294_967,
+        description="a large message's chunk queue unused this long is deleted (a sender that died); "
+        "keep it above the longest wait of a message in its queue",
+    )
     delivery_limit: int = Field(20, ge=1, description="deliveries of one message before it is dead-lettered")
+    # fedmq.dead is bounded three ways; past any bound the oldest dead letters are dropped.
+    dead_letter_max_count: int = Field(
+        10_000, ge=1, description="dead letters fedmq.dead keeps; beyond, the oldest are dropped"
+    )
+    dead_letter_max_bytes: int = Field(
+        64 * MiB, ge=1, description="bytes of bodies fedmq.dead keeps; beyond, the oldest are dropped"
+    )
+    dead_letter_ttl_s: int = Field(
+        7 * 24 * 3600, ge=1, le=4_294_967, description="seconds a dead letter is kept (at most ~49 days)"
+    )
+    dead_letter_body_bytes: int = Field(
+        64 * 1024, ge=0,
+        description="largest body a dead letter keeps; a larger one is dropped, its reason and size kept",
+    )
     liveness_s: float = Field(5.0, gt=0, description="how often learners report to the scheduler")
-    blob_wait_s: float = Field(30.0, gt=0, description="how long to wait for a large message's chunks")
     heartbeat_s: int = Field(30, ge=1, description="AMQP heartbeat")
     request_timeout_s: float = Field(120.0, gt=0, description="model fetch and publish timeout")
     retry_initial_s: float = Field(0.5, gt=0, description="first reconnect (or state write retry) backoff")

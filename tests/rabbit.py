@@ -70,6 +70,11 @@ def fresh_vhost() -> Iterator[str]:
         _ctl("delete_vhost", name)
 
 
+def close_connections(url: str, reason: str = "test") -> None:
+    """Close every client connection of the URL's vhost from the broker side (and no other's)."""
+    _ctl("close_all_connections", "-p", urlsplit(url).path.lstrip("/"), reason)
+
+
 def dead_letters(url: str) -> list[tuple[dict, bytes]]:
     """Drain fedmq.dead on a vhost: (headers, body) of every dead-lettered message."""
     import pika

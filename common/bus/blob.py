@@ -1,21 +1,32 @@
 """The chunked-blob protocol: a message larger than one frame, sent and read back over RabbitMQ.
 
-    sender ──chunks 0..n-1──▶ [fedmq.blob.<id>]   (x-expires: deleted after an hour unused)
+    sender ──chunks 0..n-1──▶ [fedmq.blob.<id>]   (x-expires: FEDMQ_BLOB_EXPIRY_S unused)
            ──envelope (empty body; names the blob, count, size, sha256)──▶ destination queue
-    receiver, holding the envelope ──basic_get, in order──▶ checked body ──▶ handler
+           ✗ failed before the envelope left, or the broker refused it ──▶ queue_delete (now,
+             or on the next connection if this one is gone)
+    receiver, holding the envelope ──passive declare: n chunks there? ─✗─▶ refused at once
+                                   ──basic_get, in order──▶ checked body ──▶ handler
              envelope settled ──▶ queue_delete fedmq.blob.<id>
 
 The chunks go to a queue of their own (`fedmq.blob.<id>`, expiring when unused)
 and a small envelope that names it goes to the destination. The receiver reads
 the chunks while it holds the envelope and deletes the blob queue once the
 envelope is settled, so a crash anywhere leaves either the whole message or nothing.
+A sender that fails deletes its blob queue unless the envelope may have reached its
+queue; a sender that dies leaves it to expire, unused, after FEDMQ_BLOB_EXPIRY_S.
+
+Nothing waits for a chunk. Every chunk is confirmed before the envelope is sent, so
+when an envelope arrives its blob queue already holds all of them: a passive declare
+counts them, and an envelope whose chunks are not all there is refused before any is
+read, whatever it claims. A receiver that gives an envelope back first gives back its
+chunks, on the channel its next passive declare goes through, so the broker has them
+back before it counts them again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +40,6 @@ BLOB_PREFIX = "fedmq.blob."
 H_BLOB, H_INDEX, H_COUNT, H_SIZE, H_DIGEST = (
     "x-fedmq-blob", "x-fedmq-index", "x-fedmq-count", "x-fedmq-size", "x-fedmq-digest"
 )
-BLOB_TTL_MS = 3_600_000
 
 
 class DecodeBlobError(Exception):
@@ -45,21 +55,31 @@ def publish_blob(
     *,
     mandatory: bool,
     frame_bytes: int,
+    expiry_s: int,
     on_chunk: Callable[[int], None],
+    on_orphan: Callable[[str], None],
 ) -> None:
-    """Send `body` as chunks of at most `frame_bytes` on a blob queue, then the envelope naming it."""
+    """Send `body` as chunks of at most `frame_bytes` on a blob queue, then the envelope naming it.
+
+    If it fails where no envelope can name the blob, the blob queue is deleted, or handed to
+    `on_orphan` when this channel can no longer do it.
+    """
     blob = f"{BLOB_PREFIX}{uuid.uuid4().hex}"
     count = -(-len(body) // frame_bytes)
     digest = hashlib.sha256(body).hexdigest()
-    ch.queue_declare(blob, durable=True, arguments={"x-expires": BLOB_TTL_MS})
+    ch.queue_declare(blob, durable=True, arguments={"x-expires": expiry_s * 1000})
     view = memoryview(body)
-    for index in range(count):
-        chunk_headers = {H_BLOB: blob, H_INDEX: index, H_COUNT: count}
-        chunk = bytes(view[index * frame_bytes : (index + 1) * frame_bytes])
-        ch.basic_publish(
-            "", blob, chunk, pika.BasicProperties(delivery_mode=2, headers=chunk_headers), mandatory=True
-        )
-        on_chunk(len(chunk))
+    try:
+        for index in range(count):
+            chunk_headers = {H_BLOB: blob, H_INDEX: index, H_COUNT: count}
+            chunk = bytes(view[index * frame_bytes : (index + 1) * frame_bytes])
+            ch.basic_publish(
+                "", blob, chunk, pika.BasicProperties(delivery_mode=2, headers=chunk_headers), mandatory=True
+            )
+            on_chunk(len(chunk))
+    except BaseException:
+        _discard(ch, blob, on_orphan)  # no envelope was sent: nobody will ever read these chunks
+        raise
     envelope_headers = {
         **(props.headers or {}), H_BLOB: blob, H_COUNT: count, H_SIZE: len(body), H_DIGEST: digest
     }
@@ -67,7 +87,23 @@ def publish_blob(
         delivery_mode=props.delivery_mode, reply_to=props.reply_to,
         correlation_id=props.correlation_id, headers=envelope_headers,
     )
-    ch.basic_publish(exchange, key, b"", envelope, mandatory=mandatory)
+    try:
+        ch.basic_publish(exchange, key, b"", envelope, mandatory=mandatory)
+    except (pika.exceptions.UnroutableError, pika.exceptions.NackError):
+        _discard(ch, blob, on_orphan)  # the broker refused the envelope: nothing names the blob
+        raise
+    # Lost before its confirm, the envelope may be in its queue: the blob stays (and expires).
+
+
+def _discard(ch: BlockingChannel, blob: str, on_orphan: Callable[[str], None]) -> None:
+    """Delete a blob queue nothing will read; best effort, else later, on another connection."""
+    if ch.is_open:
+        try:
+            ch.queue_delete(blob)
+            return
+        except Exception:  # the channel or connection is going: the next one deletes it
+            pass
+    on_orphan(blob)
 
 
 class BlobReader:
@@ -78,12 +114,10 @@ class BlobReader:
         connection: Callable[[], BlockingConnection | None],
         *,
         max_bytes: int,
-        wait_s: float,
         on_chunk: Callable[[int], None],
     ) -> None:
         self._connection = connection  # the bus's current connection, None while it has none
         self._max_bytes = max_bytes
-        self._wait_s = wait_s
         self._on_chunk = on_chunk
         self._ch: BlockingChannel | None = None
 
@@ -151,23 +185,16 @@ class BlobReader:
         assert conn is not None
         ch = self._channel(conn)
         blob, count, size = headers[H_BLOB], headers[H_COUNT], headers[H_SIZE]
+        ready = self._ready(ch, blob)
+        if ready < count:
+            raise DecodeBlobError(f"only {ready} of {count} chunks arrived")
         digest = hashlib.sha256()
-        received, deadline = 0, time.monotonic() + self._wait_s
+        received = 0
         for index in range(count):
-            while True:
-                try:
-                    method, props, chunk = ch.basic_get(blob, auto_ack=False)
-                except pika.exceptions.ChannelClosedByBroker as exc:
-                    # The blob queue is gone (expired, deleted, never made): only the chunk
-                    # channel is lost with it; the envelope is rejected on the main one.
-                    self._ch = None
-                    raise DecodeBlobError(f"blob queue unavailable: {exc.reply_text}") from None
-                if method is not None:
-                    tags.append(method.delivery_tag)
-                    break
-                if time.monotonic() > deadline:
-                    raise DecodeBlobError(f"only {index} of {count} chunks arrived")
-                conn.sleep(0.05)
+            method, props, chunk = self._get(ch, blob)
+            if method is None:  # counted a moment ago: another reader took it
+                raise DecodeBlobError(f"only {index} of {count} chunks arrived")
+            tags.append(method.delivery_tag)
             got = (props.headers or {}).get(H_INDEX)
             if got != index or received + len(chunk) > size:
                 raise DecodeBlobError(f"chunk {got} out of order or oversized (expected {index})")
@@ -179,6 +206,25 @@ class BlobReader:
             raise DecodeBlobError(f"blob has {received} bytes, envelope says {size}")
         if digest.hexdigest() != headers.get(H_DIGEST):
             raise DecodeBlobError("digest mismatch")
+
+    def _ready(self, ch: BlockingChannel, blob: str) -> int:
+        """How many chunks the blob queue holds, asked without waiting for any."""
+        try:
+            return int(ch.queue_declare(blob, passive=True).method.message_count)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            raise self._unavailable(exc) from None
+
+    def _get(self, ch: BlockingChannel, blob: str) -> tuple[Any, Any, bytes]:
+        try:
+            return ch.basic_get(blob, auto_ack=False)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            raise self._unavailable(exc) from None
+
+    def _unavailable(self, exc: pika.exceptions.ChannelClosedByBroker) -> DecodeBlobError:
+        # The blob queue is gone (expired, deleted, never made): only the chunk channel is
+        # lost with it; the envelope is rejected on the main one.
+        self._ch = None
+        return DecodeBlobError(f"blob queue unavailable: {exc.reply_text}")
 
     def _channel(self, conn: BlockingConnection) -> BlockingChannel:
         if self._ch is None or not self._ch.is_open:

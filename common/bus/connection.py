@@ -10,6 +10,10 @@ with `add_callback_threadsafe`, the one thread-safe pika call (invariant 8).
 
 With several broker addresses (a cluster's nodes), `connect` tries them in turn from the
 one after the node it last lost, so a dead node is tried last rather than first forever.
+
+Whatever escapes pika once the connection (or its channel) has died is a connection loss,
+whatever its type: pika raises ValueError, AssertionError and others from a closed ioloop.
+Calls handed to the loop that were waiting for it then fail with ConnectionError.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TypeVar
+from concurrent.futures import CancelledError, Future, InvalidStateError
+from typing import Any, TypeVar
 
 import pika
 import pika.exceptions
@@ -30,7 +34,7 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 from fedmq.common.bus.base import Timer
-from fedmq.common.bus.topology import declare_topology
+from fedmq.common.bus.topology import declare_topology, refused_queue_advice
 from fedmq.common.errors import BrokerUnavailable
 from fedmq.common.settings import Settings, redact_url
 
@@ -94,6 +98,8 @@ class BrokerConnection:
         self._timers: list[tuple[float, int, _LoopTimer, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._thread: int | None = None
+        self._waiting: set[Future[Any]] = set()  # run_on_loop calls not yet answered
+        self._waiting_lock = threading.Lock()
 
     def connect(self) -> None:
         """Open the connection on the first node that answers and declare the topology.
@@ -130,8 +136,7 @@ class BrokerConnection:
             self.drop()  # every node of a cluster would say the same: no use trying the next
             raise BrokerUnavailable(
                 f"RabbitMQ at {redact_url(self.settings.broker_urls[index])} refused fedmq's queues: "
-                f"{exc.reply_text}. They exist with other arguments (FEDMQ_DELIVERY_LIMIT changed?): "
-                "delete them or use a fresh vhost."
+                f"{refused_queue_advice(exc.reply_text)}"
             ) from None
 
     def drop(self) -> None:
@@ -144,6 +149,22 @@ class BrokerConnection:
             # Closing a broken connection may fail in many ways; it is gone either way.
             with contextlib.suppress(Exception):
                 conn.close()
+        self._fail_waiting()
+
+    def is_lost(self) -> bool:
+        """True once the connection or its channel is closed: nothing more can be done on them."""
+        conn, ch = self.conn, self.channel
+        return conn is None or not conn.is_open or ch is None or not ch.is_open
+
+    def _fail_waiting(self) -> None:
+        """Calls handed to the loop and not yet run will not run on this connection: fail them now."""
+        with self._waiting_lock:
+            waiting, self._waiting = self._waiting, set()
+        for future in waiting:
+            if future.cancel():  # not yet running: fn never runs
+                continue
+            with contextlib.suppress(InvalidStateError):  # already answered
+                future.set_exception(ConnectionError(f"bus {self.name}: connection to the broker was lost"))
 
     def _on_cancelled(self, frame: object) -> None:
         """The broker cancelled a consumer (queue deleted, leader moved): declare and subscribe again."""
@@ -169,7 +190,9 @@ class BrokerConnection:
                     self._on_open()
                     backoff = self.settings.retry_initial_s
                     self._loop()
-                except (BrokerUnavailable, *CONNECTION_ERRORS) as exc:
+                except Exception as exc:
+                    if not isinstance(exc, (BrokerUnavailable, *CONNECTION_ERRORS)) and not self.is_lost():
+                        raise  # a bug with the connection alive: not ours to hide
                     self.drop()
                     if not self.running:
                         break
@@ -187,6 +210,8 @@ class BrokerConnection:
         while self.running:
             self._drain_outbox()
             wait = self._fire_due_timers()
+            if self.is_lost():  # closed under a callback that caught the error (pika can't say so)
+                raise ConnectionError(f"bus {self.name}: connection closed")
             self.conn.process_data_events(time_limit=min(wait, 1.0) if wait is not None else 1.0)
 
     def _pause(self, seconds: float) -> None:
@@ -200,15 +225,26 @@ class BrokerConnection:
                 item = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            _guarded(item, "callback_crashed")
+            self._guarded(item, "callback_crashed")
 
     def _fire_due_timers(self) -> float | None:
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             _, _, timer, callback = heapq.heappop(self._timers)
             if not timer.cancelled:
-                _guarded(callback, "timer_callback_crashed")
+                self._guarded(callback, "timer_callback_crashed")
         return max(0.0, self._timers[0][0] - time.monotonic()) if self._timers else None
+
+    def _guarded(self, callback: Callable[[], None], event: str) -> None:
+        """Run a callback on the loop; a lost connection propagates (reconnect), a bug is logged."""
+        try:
+            callback()
+        except PIKA_ERRORS:
+            raise
+        except Exception as exc:
+            if self.is_lost():
+                raise ConnectionError(f"bus {self.name}: connection lost in a callback: {exc!r}") from exc
+            log.exception(event)
 
     def stop(self) -> None:
         self.running = False
@@ -251,28 +287,37 @@ class BrokerConnection:
         future: Future[T] = Future()
 
         def work() -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:
-                    future.set_exception(exc)
+            if not future.set_running_or_notify_cancel():
+                return  # timed out, or failed with its connection before it could run
+            try:
+                result = fn()
+            except BaseException as exc:
+                if self.is_lost():  # whatever pika raised, the caller should know it as this
+                    lost = ConnectionError(f"bus {self.name}: connection to the broker was lost ({exc!r})")
+                    lost.__cause__ = exc
+                    exc = lost
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            finally:
+                self._forget(future)
 
+        with self._waiting_lock:
+            self._waiting.add(future)
         self.call_soon(work)
         try:
             return future.result(timeout=timeout or self.settings.request_timeout_s)
         except TimeoutError:
             future.cancel()
             raise TimeoutError(f"bus {self.name}: broker did not take the message in time") from None
+        except CancelledError:  # dropped with its connection before the loop ran it
+            raise ConnectionError(f"bus {self.name}: connection to the broker was lost") from None
+        finally:
+            self._forget(future)
 
-
-def _guarded(callback: Callable[[], None], event: str) -> None:
-    """Run a callback on the loop; a lost connection propagates (reconnect), a bug is logged."""
-    try:
-        callback()
-    except PIKA_ERRORS:
-        raise
-    except Exception:
-        log.exception(event)
+    def _forget(self, future: Future[T]) -> None:
+        with self._waiting_lock:
+            self._waiting.discard(future)
 
 
 def unreachable_message(failures: list[tuple[str, BaseException]]) -> str:

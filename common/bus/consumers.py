@@ -4,7 +4,7 @@
             ─▶ a blob's envelope: read its chunks (size, order, digest) ─✗─▶ dead-letter "blob: ..."
                                   spool file unwritable (disk full) ─▶ chunks back, read again later
             ─▶ handler ─▶ ack       gone (and its blob queue deleted)
-                       ─▶ reject    to fedmq.dead with the reason, then acked
+                       ─▶ reject    to fedmq.dead with the reason (a large body dropped), then acked
                        ─▶ requeue   its chunks back to the blob queue, then itself
                        ─✗ raises    dead-letter "handler_error: <type>"; a pika error reconnects
 
@@ -30,7 +30,7 @@ from fedmq.common.bus.connection import PIKA_ERRORS, BrokerConnection
 
 log = structlog.get_logger("fedmq.bus")
 
-H_REASON, H_QUEUE = "x-fedmq-reason", "x-fedmq-queue"
+H_REASON, H_QUEUE, H_DROPPED = "x-fedmq-reason", "x-fedmq-queue", "x-fedmq-dropped-bytes"
 
 
 @dataclass(eq=False)
@@ -69,12 +69,14 @@ class Consumers:
         blobs: BlobReader,
         *,
         frame_bytes: int,
+        dead_body_bytes: int,
         on_bytes: Callable[[int], None],
         on_dead_letter: Callable[[str], None],
     ) -> None:
         self._link = connection
         self._blobs = blobs
         self._frame_bytes = frame_bytes
+        self._dead_body_bytes = dead_body_bytes  # a dead letter's body beyond this is dropped
         self._on_bytes = on_bytes  # every message body received
         self._on_dead_letter = on_dead_letter
         self._consumers: list[_Consumer] = []
@@ -119,7 +121,10 @@ class Consumers:
             if not self.ready.is_set():
                 remember()
                 return
-        self._link.run_on_loop(both)
+        try:
+            self._link.run_on_loop(both)
+        except ConnectionError:  # lost before it ran: remember it for the next connect (or run it then)
+            self._register(remember, start)
 
     def _start_consumer(self, consumer: _Consumer) -> None:
         assert self._link.channel is not None
@@ -183,6 +188,8 @@ class Consumers:
         except PIKA_ERRORS:
             raise
         except Exception as exc:  # a handler bug must not kill the service: dead-letter
+            if self._link.is_lost():  # pika's error from a dead connection, whatever its type
+                raise ConnectionError(f"connection lost in the {consumer.queue} handler: {exc!r}") from exc
             log.exception("handler_crashed", queue=consumer.queue)
             delivery.reject(f"handler_error: {type(exc).__name__}")
 
@@ -228,6 +235,9 @@ class Consumers:
         headers = {**delivery.headers, H_REASON: reason[:1000], H_QUEUE: delivery.queue}
         # A blob's envelope is dead-lettered without its chunks (they expire with their queue).
         body = b"" if delivery._blob is not None else bytes(delivery.body)
+        if len(body) > self._dead_body_bytes:  # the reason stays; a hostile body need not
+            headers[H_DROPPED] = len(body)
+            body = b""
         self._link.channel.basic_publish(
             "", topology.DEAD_LETTERS, body,
             pika.BasicProperties(delivery_mode=2, headers=headers), mandatory=True,

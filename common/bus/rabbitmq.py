@@ -42,13 +42,15 @@ class RabbitBus(Bus):
         self._link = BrokerConnection(settings, name, on_open=self._on_open, on_lost=self._on_lost)
         self._blobs = BlobReader(
             lambda: self._link.conn,
-            max_bytes=settings.max_message_bytes, wait_s=settings.blob_wait_s, on_chunk=self._count_received,
+            max_bytes=settings.max_message_bytes, on_chunk=self._count_received,
         )
         self._consumers = Consumers(
             self._link, self._blobs, frame_bytes=settings.frame_bytes,
+            dead_body_bytes=settings.dead_letter_body_bytes,
             on_bytes=self._count_received, on_dead_letter=self._dead_lettered,
         )
         self._waiters: dict[str, Future[bytes]] = {}
+        self._orphans: list[str] = []  # blob queues of failed sends, deleted at the next connect
         self._reply_queue = ""
         self._stopped = threading.Event()
         self.stats = {"published_bytes": 0, "consumed_bytes": 0, "largest_frame_bytes": 0, "blobs_sent": 0}
@@ -93,9 +95,12 @@ class RabbitBus(Bus):
         return self._link.call_later(delay, callback)
 
     def _on_open(self) -> None:
-        """On every (re)connect: a fresh reply queue, then every consumer and subscription."""
+        """On every (re)connect: orphans deleted, a fresh reply queue, every consumer and subscription."""
         ch = self._link.channel
         assert ch is not None
+        while self._orphans:
+            ch.queue_delete(self._orphans[-1])  # idempotent: one already gone is no error
+            self._orphans.pop()
         self._reply_queue = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
         ch.basic_qos(prefetch_count=4)
         ch.basic_consume(self._reply_queue, self._on_reply, auto_ack=False)
@@ -147,8 +152,12 @@ class RabbitBus(Bus):
         if not delivery.reply_to:
             return
         props = pika.BasicProperties(delivery_mode=1, correlation_id=delivery.correlation_id)
-        # The asker may be gone (timed out, restarted): its reply queue with it. Not an error.
-        self._link.run_on_loop(lambda: self._send("", delivery.reply_to or "", body, props, mandatory=False))
+        queue = delivery.reply_to or ""
+        try:  # mandatory: a large reply's blob queue is deleted when its envelope cannot be routed
+            self._link.run_on_loop(lambda: self._send("", queue, body, props, mandatory=True))
+        except pika.exceptions.UnroutableError:
+            # The asker is gone (timed out, restarted, cut off), its reply queue with it. Not an error.
+            log.info("reply_undeliverable", queue=delivery.queue)
 
     def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
         if not self._link.running:
@@ -177,7 +186,8 @@ class RabbitBus(Bus):
             return
         self.stats["blobs_sent"] += 1
         publish_blob(ch, exchange, key, body, props, mandatory=mandatory,
-                     frame_bytes=self.settings.frame_bytes, on_chunk=self._count_sent)
+                     frame_bytes=self.settings.frame_bytes, expiry_s=self.settings.blob_expiry_s,
+                     on_chunk=self._count_sent, on_orphan=self._orphans.append)
 
     def _on_reply(self, ch: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
         headers = dict(props.headers or {})

@@ -1,7 +1,7 @@
 """Chaos: SIGKILL and restart every kind of service, and cut every connection, while a job runs.
 
 The points come from a seeded generator (FEDMQ_CHAOS_SEED, default 7). The job must complete
-with exactly the weights of an undisturbed run. Bounded in time; prints one summary line.
+with exactly the weights of an undisturbed run. Bounded in time; each test prints one summary line.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -22,13 +23,15 @@ from fedmq.common.jobspec import load_job
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
 from tests.conftest import REPO, assert_bit_identical
-from tests.e2e.cluster import cluster
-from tests.rabbit import dead_letters
+from tests.e2e.cluster import Cluster, cluster
+from tests.e2e.test_broker_closes import FRAME_BYTES, chunked_job, exited, trainings
+from tests.integration.test_blob_leftovers import blob_queues
+from tests.rabbit import close_connections, dead_letters
 
 SEED = int(os.environ.get("FEDMQ_CHAOS_SEED", "7"))
 LEARNERS = 3
 BUDGET_S = 240.0
-
+STORM = 10  # broker-side closes of every connection, some while learners upload chunked updates
 
 
 pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
@@ -80,4 +83,59 @@ def test_the_example_job_survives_seeded_chaos(tmp_path: Path) -> None:
     assert result["status"] == "completed"
     assert [h["round"] for h in result["history"]] == list(range(31))
     embedded = run_job(load_job(spec_path), Settings(state_dir=tmp_path / "embedded"))
+    assert_bit_identical(load_state(result["model_path"])[0], load_state(embedded["model_path"])[0])
+
+
+def rounds_opened(c: Cluster) -> int:
+    return c.log("aggregator").count('"round_opened"')
+
+
+def test_a_storm_of_broker_side_closes_kills_no_service_and_changes_no_weight(tmp_path: Path) -> None:
+    rng = random.Random(SEED)
+    # After a learner trained, its chunked update is on its way; when a round opens, its tasks
+    # are dispatched and the learners fetch the new model (a chunked reply).
+    plan = ["upload"] * (STORM // 2 + 1) + ["round"] * (STORM - STORM // 2 - 1)
+    rng.shuffle(plan)
+    spec = chunked_job(tmp_path, rounds=10)
+    deadline = time.monotonic() + BUDGET_S
+    with cluster(tmp_path, learners=LEARNERS, FEDMQ_FRAME_BYTES=str(FRAME_BYTES),
+                 FEDMQ_RETRY_INITIAL_S="0.2") as c:
+        c.wait_learners(LEARNERS)
+        job_id = c.fedmq("submit", str(spec)).stdout.strip()
+        for done, trigger in enumerate(plan):
+            progress = trainings if trigger == "upload" else rounds_opened
+
+            def happened(seen: int = progress(c), progress: Callable[[Cluster], int] = progress) -> bool:
+                return progress(c) > seen or bool(exited(c))
+
+            assert c.wait_for(happened, timeout=max(1.0, deadline - time.monotonic())), (
+                f"no {trigger} after {done} closes"
+            )
+            assert not exited(c), f"{exited(c)} exited after {done} closes"
+            close_connections(c.url, f"chaos storm {done}")
+        watched = c.fedmq("watch", job_id, "--json", timeout=max(10.0, deadline - time.monotonic()))
+        gone = exited(c)
+        logs = {name: c.log(name) for name in c.procs}
+        dead = dead_letters(c.url)
+        blobs_left = blob_queues(c.url)  # of sends whose envelope may have gone: they expire
+    assert not gone, f"{gone} exited: " + "".join(logs[n][-3000:] for n in gone)
+    assert watched.returncode == 0, watched.stderr + logs["aggregator"][-3000:]
+
+    def events(name: str, services: list[str] | None = None) -> int:
+        return sum(logs[s].count(f'"{name}"') for s in services or list(logs))
+
+    learners = [f"learner-{i}" for i in range(LEARNERS)]
+    print(
+        f"\nchaos storm seed={SEED}: {len(plan)} closes ({', '.join(plan)}); "
+        f"learner publishes cut off={events('publish_failed', learners)}, "
+        f"tasks redelivered={events('task_redelivered', learners)}, "
+        f"reconnects={events('broker_connection_lost')}, "
+        f"dead-lettered={len(dead)} ({sorted({str(h.get('x-fedmq-reason', '?'))[:30] for h, _ in dead})}), "
+        f"blob queues left={len(blobs_left)}"
+    )
+    assert events("publish_failed", learners) >= 1, "no close landed on an upload: the storm missed its point"
+    result = json.loads(watched.stdout)
+    assert result["status"] == "completed"
+    assert [h["round"] for h in result["history"]] == list(range(11))
+    embedded = run_job(load_job(spec), Settings(state_dir=tmp_path / "embedded"))
     assert_bit_identical(load_state(result["model_path"])[0], load_state(embedded["model_path"])[0])

@@ -127,7 +127,7 @@ def test_hostile_input_is_refused_counted_and_changes_nothing(
     undisturbed = embedded_runs.weights(spec)
     last_client = max(sample_clients(spec.seed, 2, spec.clients.total, spec.clients.sampled))
     with fresh_vhost() as url:
-        settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=64 * 1024, blob_wait_s=0.5)
+        settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=64 * 1024)
         digests: dict[int, str] = {}
         injected = threading.Event()
         # The real update for the client the crafted ones name waits until all were refused.

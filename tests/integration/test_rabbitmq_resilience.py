@@ -93,7 +93,7 @@ def publish_blob(url: str, chunks: list[bytes], size: int, digest: str, count: i
 
 def broken_blob_reason(tmp_path, chunks: list[bytes], size: int, digest: str, count: int) -> str:
     with fresh_vhost() as url:
-        settings = Settings(broker_url=url, state_dir=tmp_path, blob_wait_s=0.5)
+        settings = Settings(broker_url=url, state_dir=tmp_path)
         bus = RabbitBus(settings, "aggregator")
         handled: queue.Queue[Delivery] = queue.Queue()
         bus.consume("fedmq.aggregator", handled.put)
@@ -131,7 +131,7 @@ def test_a_blob_larger_than_the_limit_is_refused_before_it_is_read(tmp_path) -> 
 
 def test_an_envelope_naming_a_missing_blob_is_dead_lettered_without_reconnecting(tmp_path) -> None:
     with fresh_vhost() as url:
-        settings = Settings(broker_url=url, state_dir=tmp_path, blob_wait_s=0.5)
+        settings = Settings(broker_url=url, state_dir=tmp_path)
         bus = RabbitBus(settings, "aggregator")
         bus.consume("fedmq.aggregator", lambda d: d.ack())
         thread = threading.Thread(target=bus.run, daemon=True)
@@ -148,3 +148,51 @@ def test_an_envelope_naming_a_missing_blob_is_dead_lettered_without_reconnecting
         thread.join(WAIT)
     assert bus.reconnects == 0
     assert [str(h["x-fedmq-reason"]).split(":")[:2] for h, _ in dead] == [["blob", " blob queue unavailable"]]
+
+
+def announce_blobs_that_never_come(url: str) -> int:
+    """Envelopes whose chunks never come: blob queues empty or short, and one never made."""
+    frame, size = 64 * 1024, 400 * 1024**2  # a zero-byte envelope claiming 400 MB
+    count = size // frame
+    blobs = {"fedmq.blob.empty": 0, "fedmq.blob.one": 1, "fedmq.blob.most": 3, "fedmq.blob.none": None}
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for name, chunks in blobs.items():
+        claim = (size, count) if chunks != 3 else (4 * frame, 4)  # the last chunk of four lost
+        if chunks is not None:
+            ch.queue_declare(name, durable=True, arguments={"x-expires": 600_000})
+            for i in range(chunks):
+                ch.basic_publish("", name, b"c" * frame, pika.BasicProperties(
+                    headers={H_BLOB: name, H_INDEX: i, H_COUNT: claim[1]}))
+        ch.basic_publish("", "fedmq.aggregator", b"", pika.BasicProperties(headers={
+            H_BLOB: name, H_COUNT: claim[1], H_SIZE: claim[0], H_DIGEST: "00"}))
+    ch.queue_declare("fedmq.blob.two", durable=True, arguments={"x-expires": 600_000})
+    ch.basic_publish("", "fedmq.aggregator", b"", pika.BasicProperties(headers={
+        H_BLOB: "fedmq.blob.two", H_COUNT: count, H_SIZE: size, H_DIGEST: "00"}))
+    conn.close()
+    return len(blobs) + 1
+
+
+def test_envelopes_whose_chunks_never_come_are_refused_at_once_while_the_job_goes_on(
+    tmp_path: Path, embedded_runs: EmbeddedRuns, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fedmq used to wait this long per such envelope, holding the aggregator's bus thread.
+    monkeypatch.setenv("FEDMQ_BLOB_WAIT_S", "3600")
+    spec = small_job(rounds=4)
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=64 * 1024)
+        sent: list[int] = []
+
+        def on_event(event: JobEvent) -> None:
+            if event.kind == "round_started" and event.round == 2 and not sent:
+                sent.append(announce_blobs_that_never_come(url))
+
+        result = run_job(spec, settings, connect=lambda name: RabbitBus(settings, name),
+                         on_event=on_event, idle_timeout=60)
+        dead = dead_letters(url)
+    assert sent == [5]
+    assert result["status"] == "completed"
+    assert result["dead_letters"] == {"blob": 5}
+    assert sorted(str(h["x-fedmq-reason"]).split(":")[0] for h, _ in dead) == ["blob"] * 5
+    assert_bit_identical(load_state(result["model_path"])[0], embedded_runs.weights(spec))

@@ -25,6 +25,7 @@ from fedmq.common.bus.blob import (
 )
 
 BODY = bytes(range(256)) * 3 + b"tail"  # 772 bytes: 8 chunks of 100, the last short
+ORPHANS: list[str] = []  # blob queues a failed send could not delete (on_orphan)
 
 
 class FakeChannel:
@@ -39,9 +40,14 @@ class FakeChannel:
         self._tags = 0
 
     def queue_declare(
-        self, queue: str, durable: bool = False, arguments: dict[str, Any] | None = None
-    ) -> None:
-        self.queues.setdefault(queue, deque())
+        self, queue: str, durable: bool = False, arguments: dict[str, Any] | None = None,
+        passive: bool = False,
+    ) -> SimpleNamespace:
+        if passive and queue not in self.queues:
+            self.is_open = False
+            raise pika.exceptions.ChannelClosedByBroker(404, f"NOT_FOUND - no queue '{queue}'")
+        ready = len(self.queues.setdefault(queue, deque()))
+        return SimpleNamespace(method=SimpleNamespace(queue=queue, message_count=ready))
 
     def basic_publish(
         self, exchange: str, key: str, body: bytes, props: pika.BasicProperties, mandatory: bool = False
@@ -80,26 +86,23 @@ class FakeConnection:
         self.ch.is_open = True
         return self.ch
 
-    def sleep(self, seconds: float) -> None:
-        pass
-
 
 def sent(body: bytes = BODY, frame: int = 100) -> tuple[FakeChannel, dict[str, Any], list[int]]:
     """Publish `body` as a blob; the channel, the envelope's headers and the chunk sizes counted."""
     ch = FakeChannel()
     counted: list[int] = []
     props = pika.BasicProperties(delivery_mode=2, correlation_id="c1", headers={"k": "v"})
-    publish_blob(ch, "", "fedmq.aggregator", body, props,
-                 mandatory=True, frame_bytes=frame, on_chunk=counted.append)
+    publish_blob(ch, "", "fedmq.aggregator", body, props, mandatory=True, frame_bytes=frame,
+                 expiry_s=600, on_chunk=counted.append, on_orphan=ORPHANS.append)
     [(exchange, key, envelope)] = ch.envelopes
     assert (exchange, key, envelope.correlation_id) == ("", "fedmq.aggregator", "c1")
     return ch, dict(envelope.headers), counted
 
 
-def reader(ch: FakeChannel, max_bytes: int = 10_000, wait_s: float = 1.0) -> tuple[BlobReader, list[int]]:
+def reader(ch: FakeChannel, max_bytes: int = 10_000) -> tuple[BlobReader, list[int]]:
     counted: list[int] = []
     conn = FakeConnection(ch)
-    blobs = BlobReader(lambda: conn, max_bytes=max_bytes, wait_s=wait_s, on_chunk=counted.append)
+    blobs = BlobReader(lambda: conn, max_bytes=max_bytes, on_chunk=counted.append)
     return blobs, counted
 
 
@@ -137,11 +140,12 @@ def test_chunks_out_of_order_are_refused() -> None:
         reader(ch)[0].read(headers, [])
 
 
-def test_a_blob_whose_chunks_stop_coming_is_refused_once_the_wait_is_over() -> None:
+def test_a_blob_missing_chunks_is_refused_at_once_before_any_chunk_is_read() -> None:
     ch, headers, _ = sent()
     ch.queues[headers[H_BLOB]].pop()
     with pytest.raises(DecodeBlobError, match="only 7 of 8 chunks arrived"):
-        reader(ch, wait_s=0.01)[0].read(headers, [])
+        reader(ch)[0].read(headers, [])
+    assert ch.gets == 0  # the passive declare counted them: nothing waited, nothing taken
 
 
 def test_a_blob_over_the_limit_is_refused_before_any_chunk_is_read() -> None:
@@ -179,3 +183,50 @@ def test_requeue_gives_back_the_chunks_taken_and_delete_drops_the_queue() -> Non
     blobs.delete("fedmq.tasks")  # not a blob: never deleted
     blobs.delete(headers[H_BLOB])
     assert headers[H_BLOB] not in ch.queues
+
+
+class FailingChannel(FakeChannel):
+    """Fails the n-th publish (a chunk or the envelope) with `error`; open or not afterwards."""
+
+    def __init__(self, fail_at: int, error: Exception, stays_open: bool) -> None:
+        super().__init__()
+        self.fail_at, self.error, self.stays_open, self.published = fail_at, error, stays_open, 0
+
+    def basic_publish(
+        self, exchange: str, key: str, body: bytes, props: pika.BasicProperties, mandatory: bool = False
+    ) -> None:
+        self.published += 1
+        if self.published == self.fail_at:
+            self.is_open = self.stays_open
+            raise self.error
+        super().basic_publish(exchange, key, body, props, mandatory)
+
+
+def publish_failing(ch: FailingChannel) -> list[str]:
+    """Publish BODY (8 chunks and an envelope) on `ch`, expecting its error; the orphans handed over."""
+    orphans: list[str] = []
+    with pytest.raises(type(ch.error)):
+        publish_blob(ch, "", "fedmq.aggregator", BODY, pika.BasicProperties(), mandatory=True,
+                     frame_bytes=100, expiry_s=600, on_chunk=lambda n: None, on_orphan=orphans.append)
+    return orphans
+
+
+def test_a_send_failing_between_chunks_deletes_its_blob_queue() -> None:
+    ch = FailingChannel(3, pika.exceptions.NackError([]), stays_open=True)
+    assert publish_failing(ch) == [] and ch.queues == {}
+
+
+def test_a_send_cut_off_between_chunks_leaves_its_blob_queue_to_the_next_connection() -> None:
+    ch = FailingChannel(3, pika.exceptions.StreamLostError("gone"), stays_open=False)
+    orphans = publish_failing(ch)
+    assert orphans == list(ch.queues) and len(orphans) == 1
+
+
+def test_an_envelope_the_broker_refuses_deletes_its_blob_queue() -> None:
+    ch = FailingChannel(9, pika.exceptions.UnroutableError([]), stays_open=True)
+    assert publish_failing(ch) == [] and ch.queues == {}
+
+
+def test_an_envelope_lost_before_its_confirm_keeps_its_blob_for_the_reader() -> None:
+    ch = FailingChannel(9, pika.exceptions.StreamLostError("gone"), stays_open=False)
+    assert publish_failing(ch) == [] and len(ch.queues[next(iter(ch.queues))]) == 8
