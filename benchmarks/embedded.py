@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO))
 
 def child_fedmq(job: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The whole job through scheduler, aggregator and learner on the in-memory bus."""
+    from fedmq.common.allowlist import AllowList
     from fedmq.common.jobspec import load_job
     from fedmq.common.logging import configure_logging
     from fedmq.common.settings import Settings
@@ -32,7 +33,10 @@ def child_fedmq(job: str, overrides: dict[str, Any]) -> dict[str, Any]:
     configure_logging("json", "warning")
     spec = load_job(job, overrides)
     with tempfile.TemporaryDirectory() as state:
-        result = run_job(spec, Settings(state_dir=Path(state)))
+        settings = Settings(state_dir=Path(state))
+        # As `fedmq run` does: the job's own code (examples/...) is this project's.
+        allowed = AllowList.project(settings.allowed_prefixes, spec_dir=Path(job).resolve().parent)
+        result = run_job(spec, settings, allowed=allowed)
     rounds = [h["seconds"] for h in result["history"] if h["round"] > 0]
     return {
         "status": result["status"],

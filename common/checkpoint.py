@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedmq.common import statefiles
-from fedmq.common.errors import DecodeError
+from fedmq.common.errors import ConfigError, DecodeError
 
 if TYPE_CHECKING:
     import torch
@@ -80,6 +80,11 @@ def load_model(path: str | Path) -> torch.nn.Module:
     if SPEC_KEY not in metadata:
         raise DecodeError(f"{path} has no fedmq job spec in its metadata")
     spec = JobSpec.model_validate_json(metadata[SPEC_KEY])
+    if spec.ddp is not None:
+        raise ConfigError(
+            f"{path} is a DDP job's model ({spec.ddp.entry}): fedmq has no Task to build it with; load "
+            "its tensors with safetensors.torch.load_file(path) into your own model"
+        )
     model = TaskRuntime.for_job(spec).build_model()
     model.load_state_dict(state)
     return model.eval()

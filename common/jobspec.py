@@ -8,7 +8,9 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedmq.common.codec.compress import CompressionSpec
 from fedmq.common.errors import ConfigError
+from fedmq.common.speclimits import check_tree, load_yaml
 
 REF = r"^([A-Za-z_][\w]*|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$"  # a built-in name or package.module:Name
 
@@ -18,6 +20,17 @@ class Spec(BaseModel):
 
     # strict: YAML's `true` is not a round count and "5" is not a batch size.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _named(data: Any) -> Any:
+    """A spec section given as just its name, or from Python as the class itself, in its dict form."""
+    if isinstance(data, str | type):
+        data = {"name": data}
+    if isinstance(data, dict) and isinstance(data.get("name"), type):
+        from fedmq.common.task.loading import ref_of
+
+        data = {**data, "name": ref_of(data["name"])}
+    return data
 
 
 class TaskSpec(Spec):
@@ -30,28 +43,61 @@ class TaskSpec(Spec):
     @classmethod
     def _shorthand(cls, data: Any) -> Any:
         """`task: digits`, and from Python a Task class itself (`task=MyTask`)."""
-        if isinstance(data, str | type):
-            data = {"name": data}
-        if isinstance(data, dict) and isinstance(data.get("name"), type):
-            from fedmq.common.task.loading import ref_of
-
-            data = {**data, "name": ref_of(data["name"])}
-        return data
+        return _named(data)
 
 
 class ClientsSpec(Spec):
-    """How many logical clients exist, how many train each round, and the quorum."""
+    """How many clients exist (logical ones, or named sites), how many train each round, the quorum."""
 
     total: int = Field(gt=0)
+    # Cross-silo: the clients are these sites, client i is sites[i]; each site's tasks go only to a
+    # learner hosting it (FEDMQ_SITES), and a site with none alive is a dropped client that round.
+    sites: list[str] | None = Field(
+        None, min_length=1, description="named sites as the clients (total is then their number)"
+    )
     per_round: int | None = Field(None, gt=0, description="defaults to total")
     min_fit: int | None = Field(None, gt=0, description="defaults to per_round")
     # A learner's user code raising (data, model or training): the job fails at once, naming the
     # client, round, phase and error (the default: such a bug is rarely one client's); or that
     # client is dropped from the round, which closes at quorum (min_fit) or is retried.
     on_error: Literal["fail_job", "drop_client"] = "fail_job"
+    # Plausible updates (the aggregator checks; a refused update is dead-lettered and counted).
+    # A client's example count weighs its update: it may not exceed max_examples, nor the count of
+    # the client's first accepted update (its shard does not grow during a job).
+    max_examples: int | None = Field(
+        None, gt=0, description="largest example count one client's update may claim"
+    )
+    # ‖update − global‖ (L2 over all floating tensors) above this: the update is rejected, or its
+    # delta scaled down to the bound (clip). Robust strategies are the second line.
+    max_update_norm: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="largest L2 norm of one client's update delta"
+    )
+    on_large_update: Literal["reject", "clip"] = "reject"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _total_of_sites(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("sites"), list):
+            sites = data["sites"]
+            if data.get("total") is None:
+                data = {**data, "total": len(sites)}
+            elif data["total"] != len(sites):
+                raise ValueError(f"total ({data['total']}) must equal the number of sites ({len(sites)}), "
+                                 "or be left out")
+        return data
 
     @model_validator(mode="after")
     def _ordered(self) -> ClientsSpec:
+        if self.sites is not None:
+            from fedmq.common.bus.topology import SITE_NAME
+
+            bad = [site for site in self.sites if not SITE_NAME.match(site)]
+            if bad:
+                raise ValueError(f"site names {bad} must be letters, digits, '-' and '_', at most 64")
+            if len(set(self.sites)) != len(self.sites):
+                raise ValueError("each site may be named once")
+            if any(site.startswith("learner--") for site in self.sites):
+                raise ValueError("site names starting with learner-- are learners' own queues")
         if self.per_round is not None and self.per_round > self.total:
             raise ValueError(
                 f"per_round ({self.per_round}) must not exceed total ({self.total})"
@@ -67,6 +113,10 @@ class ClientsSpec(Spec):
     @property
     def quorum(self) -> int:
         return self.min_fit if self.min_fit is not None else self.sampled
+
+    def site(self, client: int) -> str | None:
+        """The site client `client` is, or None for a logical client."""
+        return None if self.sites is None else self.sites[client]
 
 
 class TrainSpec(Spec):
@@ -108,38 +158,60 @@ class ObjectiveSpec(Spec):
     mode: Literal["min", "max"] = "max"
 
 
-class FedAvgStrategy(Spec):
-    name: Literal["fedavg"] = "fedavg"
+class StrategySpec(Spec):
+    """The server strategy: a built-in by name (`fedavg`) or `package.module:Class`, and its options.
+
+    The options are the strategy's own (its `Options` model checks them where the strategy is
+    built: the CLI before publishing, and the aggregator). Older specs wrote the options beside
+    the name (`{name: fedavgm, server_momentum: 0.5}`) or the name alone; both still read.
+    """
+
+    name: Annotated[str, Field(pattern=REF, max_length=200)] = "fedavg"
+    options: dict[str, Any] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        """`strategy: fedavg`, the flat form, and from Python a Strategy class itself."""
+        data = _named(data)
+        if isinstance(data, dict) and "options" not in data and set(data) - {"name"}:
+            options = {k: v for k, v in data.items() if k != "name"}
+            data = {"name": data.get("name", "fedavg"), "options": options}
+        return data
+
+    @model_validator(mode="after")
+    def _known(self) -> StrategySpec:
+        from fedmq.common.strategy.loading import check_name
+
+        try:
+            check_name(self.name)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
 
-class AverageStrategy(Spec):
-    name: Literal["average"] = "average"
+class DdpSpec(Spec):
+    """A data-parallel job: one torch.distributed group running the user's entry (seed 003).
 
+    The scheduler picks `world_size` idle learners (on `nodes`, if named), ranks them by seed
+    003's rules (the master node first, other nodes by name, workers by replica, local ranks
+    from 0 per node) and each starts `entry` as a child process with MASTER_ADDR, MASTER_PORT,
+    WORLD_SIZE, RANK, LOCAL_RANK and NODE_RANK set, as torchrun would. A rank failing or its
+    learner dying tears the group down and starts it again from the last checkpoint the entry
+    saved (fedmq.ddp), up to `max_restarts` times.
+    """
 
-class FedAvgMStrategy(Spec):
-    name: Literal["fedavgm"] = "fedavgm"
-    server_lr: float = Field(1.0, gt=0)
-    server_momentum: float = Field(0.9, ge=0, lt=1)
-
-
-class WeightedStrategy(Spec):
-    """FedAvg with the user's weight per client (seed 002's `weighted`); clients past the list count 1."""
-
-    name: Literal["weighted"] = "weighted"
-    weights: list[Annotated[float, Field(ge=0)]] = []
-
-
-class MovingAverageStrategy(Spec):
-    """A moving average of the global weights (seed 002's `momentum`): w ← m·w + (1 − m)·average."""
-
-    name: Literal["moving_average"] = "moving_average"
-    momentum: float = Field(0.9, ge=0, lt=1)
-
-
-Strategy = Annotated[
-    FedAvgStrategy | AverageStrategy | FedAvgMStrategy | WeightedStrategy | MovingAverageStrategy,
-    Field(discriminator="name"),
-]
+    entry: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*$", max_length=200)] = Field(
+        description="package.module:function, called with no arguments in each rank's process"
+    )
+    world_size: int = Field(gt=0, le=1024)
+    nodes: list[str] = Field([], description="only learners on these nodes (FEDMQ_NODE); empty: any")
+    master_node: str = Field("", description="the node of rank 0; default: the first chosen learner's")
+    master_addr: str = Field("", max_length=253, description="how ranks reach the master; default: its node")
+    master_port: int = Field(29500, gt=0, lt=65536)
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on GPUs, gloo on CPUs")
+    max_restarts: int = Field(0, ge=0, le=100)
+    options: dict[str, Any] = Field({}, description="free-form, for the entry (fedmq.ddp.options())")
 
 
 class JobSpec(Spec):
@@ -153,11 +225,32 @@ class JobSpec(Spec):
     train: TrainSpec = TrainSpec()
     evaluate: EvaluateSpec = EvaluateSpec()
     objective: ObjectiveSpec | None = None
-    strategy: Strategy = FedAvgStrategy()
+    strategy: StrategySpec = StrategySpec()
+    compression: CompressionSpec = Field(
+        CompressionSpec(), description="how learners compress their updates (default none: full weights)"
+    )
     round_timeout_s: float = Field(600.0, gt=0)
     max_round_retries: int = Field(2, ge=0)
+    # A data-parallel job instead of a federated one: no clients, rounds or Task of its own.
+    ddp: DdpSpec | None = None
 
     _legacy = model_validator(mode="before")(lambda data: legacy_workload(data))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ddp_defaults(cls, data: Any) -> Any:
+        """A DDP job is one group run: one 'client', one 'round', in the job's bookkeeping."""
+        if isinstance(data, dict) and isinstance(data.get("ddp"), dict):
+            data = {"clients": {"total": 1}, "rounds": 1, **data}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _compression_shorthand(cls, data: Any) -> Any:
+        """`compression: int8` for `compression: {codec: int8}`."""
+        if isinstance(data, dict) and isinstance(data.get("compression"), str):
+            data = {**data, "compression": {"codec": data["compression"]}}
+        return data
 
     def with_changes(self, **changes: Any) -> JobSpec:
         """A copy with top-level fields replaced; a dict merges into the section it names."""
@@ -167,6 +260,26 @@ class JobSpec(Spec):
             merged = isinstance(value, dict) and isinstance(current, dict)
             raw[key] = {**current, **value} if merged else value  # type: ignore[dict-item]
         return type(self).model_validate(raw)
+
+    @model_validator(mode="after")
+    def _objective_measured(self) -> JobSpec:
+        if self.objective is not None and not self.measures(self.objective.metric):
+            source = self.objective.metric.partition(".")[0]
+            fix = "evaluate.server: true" if source == "server" else "evaluate: {federated: {clients: N}}"
+            raise ValueError(
+                f"objective.metric {self.objective.metric!r} is never measured: this job has no {source} "
+                f"evaluation; add `{fix}` or pick another metric"
+            )
+        return self
+
+    def measures(self, metric: str) -> bool:
+        """Whether the job evaluates where `source.name` comes from (server or federated evaluation)."""
+        source = metric.partition(".")[0]
+        if source == "server":
+            return self.evaluate.server
+        if source == "federated":
+            return self.evaluate.federated is not None
+        return True
 
     def evaluates(self, server_round: int) -> bool:
         """Whether the global model of this round is evaluated (round 0 is the initial model)."""
@@ -217,9 +330,13 @@ def legacy_workload(data: Any) -> Any:
 
 
 def parse_job(raw: Any, source: str = "job spec") -> JobSpec:
-    """Validate a mapping as a job spec, raising ConfigError that names every bad field."""
+    """Validate a mapping as a job spec, raising ConfigError that names every bad field.
+
+    Its size, depth and options blobs are bounded first (speclimits: SpecTooLarge).
+    """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level")
+    check_tree(raw, source)
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as exc:
@@ -230,11 +347,19 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSp
     """Read a YAML job spec from disk; overrides are dotted keys like {'train.lr': 0.1}."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read job spec {path}: {exc.strerror}") from None
     try:
-        raw = yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); "
+            "save it as UTF-8, or check it is the job spec"
+        ) from None
+    try:
+        raw = load_yaml(text, str(path))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     if isinstance(raw, dict):
@@ -265,40 +390,16 @@ def format_errors(exc: ValidationError) -> str:
             msg = f"unknown key{_suggest(err['loc'])}"
         elif err["type"] == "literal_error":
             msg = f"{msg} (got {err.get('input')!r})"
-        elif err["type"] == "union_tag_invalid":
-            ctx = err.get("ctx", {})
-            msg = f"unknown kind {ctx.get('tag')!r}; allowed: {ctx.get('expected_tags', '')}"
         lines.append(f"  - {'.'.join(path) or '(top level)'}: {msg}")
     return "\n".join(lines)
 
 
-def _union_members() -> dict[tuple[type[BaseModel], str], dict[str, type[BaseModel]]]:
-    return {
-        (JobSpec, "strategy"): {
-            "fedavg": FedAvgStrategy, "average": AverageStrategy, "fedavgm": FedAvgMStrategy,
-            "weighted": WeightedStrategy, "moving_average": MovingAverageStrategy,
-        },
-    }
-
-
 def _resolve(loc: tuple[int | str, ...]) -> tuple[list[str], type[BaseModel] | None]:
-    """The YAML path of an error location, and the spec section it ends in (if any).
-
-    Discriminated unions put the member's tag into the location right after the
-    union field; it is not part of the YAML path, so it is dropped there only.
-    """
-    unions = _union_members()
+    """The YAML path of an error location, and the spec section it ends in (if any)."""
     section: type[BaseModel] | None = JobSpec
     path: list[str] = []
-    i = 0
-    while i < len(loc):
-        part = loc[i]
+    for part in loc:
         path.append(str(part))
-        members = unions.get((section, str(part))) if section is not None else None
-        if members is not None and i + 1 < len(loc) and loc[i + 1] in members:
-            section = members[str(loc[i + 1])]
-            i += 2
-            continue
         field = section.model_fields.get(str(part)) if section is not None else None
         annotation = field.annotation if field is not None else None
         # An optional section (`X | None`) is the section X.
@@ -307,7 +408,6 @@ def _resolve(loc: tuple[int | str, ...]) -> tuple[list[str], type[BaseModel] | N
             annotation = options[0]
         is_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
         section = annotation if is_model else None  # type: ignore[assignment]
-        i += 1
     return path, section
 
 

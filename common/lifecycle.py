@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import signal
+import threading
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -13,6 +14,8 @@ from fedmq.common.bus.base import Bus
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.metrics import Metrics
 from fedmq.common.settings import Settings
+
+STOP_GRACE_S = 2.0  # a signalled service stops within this, whatever its bus is doing
 
 log = structlog.get_logger("fedmq.lifecycle")
 
@@ -76,7 +79,12 @@ def serve(service: Service, bus: RabbitBus, name: str, on_stop: Callable[[], Non
         log.info("service_stopping", service=name, signal=signal.Signals(signum).name)
         if on_stop is not None:
             on_stop()
-        bus.stop()
+        # After what on_stop queued (a learner's goodbye to the scheduler); and in any case soon,
+        # even while the bus waits to reconnect and drains nothing.
+        bus.call_soon_from_signal(bus.stop)
+        backstop = threading.Timer(STOP_GRACE_S, bus.stop)
+        backstop.daemon = True  # the process ends when the bus does, not when this fires
+        backstop.start()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

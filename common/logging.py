@@ -24,7 +24,7 @@ def configure_logging(fmt: Format = "auto", level: str = "info", stream=None) ->
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer()
         if use_json
-        else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+        else structlog.dev.ConsoleRenderer(colors=stream.isatty(), exception_formatter=_traceback_formatter())
     )
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,
@@ -48,6 +48,15 @@ def configure_logging(fmt: Format = "auto", level: str = "info", stream=None) ->
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=False,
     )
+
+
+def _traceback_formatter() -> structlog.typing.ExceptionRenderer:
+    """Tracebacks without local variables: a frame's locals can hold a broker URL or a password."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return structlog.dev.plain_traceback
+    return structlog.dev.RichTracebackFormatter(show_locals=False)
 
 
 def _identity(logger, name, event_dict):

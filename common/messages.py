@@ -63,12 +63,25 @@ class RoundOpen(Message):
     clients: list[NonNegativeInt]
 
 
+class FailedClient(BaseModel):
+    """A sampled client that sent no update: why, and in which phase (a Task method, a code, "timeout")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    client: NonNegativeInt
+    reason: str = Field(max_length=2000)
+    phase: str = Field(max_length=64)
+
+
 class RoundClose(Message):
     """Scheduler → aggregator: fold exactly these clients' updates into the new model."""
 
     type: Literal["round_close"] = "round_close"
     round: NonNegativeInt
     clients: list[NonNegativeInt]
+    failed: list[FailedClient] = []  # the sampled clients that did not report, for the strategy
+    # Checkpoints the scheduler still needs whatever FEDMQ_KEEP_CHECKPOINTS says: the best round's.
+    keep: list[str] = Field([], max_length=16)
 
 
 class TrainTask(Message):
@@ -80,7 +93,7 @@ class TrainTask(Message):
     client: NonNegativeInt
     model_digest: str = Field(max_length=128)
     spec: dict[str, Any]
-    config: dict[str, Any] = {}  # what the strategy sends this client this round
+    config: dict[str, Any] = {}  # what the strategy sends this client this round (Strategy.configure)
 
 
 class EvalTask(Message):
@@ -108,7 +121,12 @@ class ClientUpdate(Message):
     fetch_seconds: float = 0.0  # time spent getting the round's global model
     fetch_bytes: NonNegativeInt = 0  # its size, when it was fetched for this task (not cached)
     learner: str = ""
-    weights: dict[str, Any]
+    weights: dict[str, Any]  # {} when the job compresses its updates: then `delta` and `compression`
+    extras: dict[str, Any] = {}  # name -> tensor: what the Task returned beside them (TrainResult.extras)
+    # A compressed update (the job's `compression` section): the encoded delta from the round's
+    # global weights and its metadata, as common/codec/compress.py writes them (common/codec/updates.py).
+    delta: dict[str, Any] = {}
+    compression: dict[str, Any] | None = None
 
 
 class EvalReport(Message):
@@ -122,6 +140,10 @@ class EvalReport(Message):
     metrics: dict[str, float] = {}
     reduction: dict[str, Literal["mean", "sum", "min", "max", "geometric"]] = {}
     learner: str = ""
+    fetch_bytes: NonNegativeInt = 0  # the global model fetched for it (0: from the learner's cache)
+    fetch_seconds: float = 0.0
+
+
 class UserError(BaseModel):
     """Where user code raised and what: which service, phase, round and client, type and message."""
 
@@ -178,7 +200,7 @@ class RoundClosed(Message):
 
     `metrics` is {source: {name: value}} for the sources the aggregator knows: "train" (the
     clients' training metrics, combined), "server" (the new model on the Task's server data),
-    "strategy" (what the strategy reports).
+    "strategy" (what the strategy reports), "transport" (the round's bytes on the wire).
     """
 
     type: Literal["round_closed"] = "round_closed"
@@ -189,6 +211,7 @@ class RoundClosed(Message):
     metrics: dict[str, dict[str, float]] = {}
     aggregate_seconds: float = 0.0
     model_path: str | None = None
+    config: dict[str, bool | int | float | str] = {}  # the next round's (Strategy.configure), for its tasks
 
 
 class JobFailed(Message):
@@ -213,6 +236,25 @@ class ModelReply(Message):
     error: str | None = None
 
 
+class ClientStateGet(Message):
+    """Learner → aggregator (request/reply): the strategy's stored state of this client, for this round."""
+
+    type: Literal["client_state_get"] = "client_state_get"
+    round: NonNegativeInt
+    client: NonNegativeInt
+
+
+class ClientStateReply(Message):
+    type: Literal["client_state_reply"] = "client_state_reply"
+    round: NonNegativeInt
+    client: NonNegativeInt
+    state: dict[str, Any] | None = None  # name -> tensor ({} when the client has none yet)
+    error: str | None = None
+
+
+SiteName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]  # as topology.SITE_NAME
+
+
 class Heartbeat(Message):
     """Learner → scheduler, every few seconds: I am alive, here, on this device, busy or idle."""
 
@@ -225,6 +267,10 @@ class Heartbeat(Message):
     busy: bool = False
     pid: int = 0
     interval_s: float = 5.0
+    # the sites it hosts (FEDMQ_SITES); the names as common/bus/topology.SITE_NAME allows
+    sites: list[SiteName] = Field([], max_length=1000)
+    group: str = Field("", max_length=200)  # the DDP group it runs a rank of: job/attempt ("": none)
+    leaving: bool = False  # its last: it stopped (SIGTERM, Ctrl-C), it is not lost
 
 
 class StatusRequest(Message):
@@ -242,6 +288,63 @@ class StatusReply(Message):
     learners: list[dict[str, Any]] = []
     fleet: dict[str, Any] = {}  # learners alive, busy, and the names of those lost
     error: str | None = None
+
+
+class DdpLaunch(Message):
+    """Scheduler → one learner (its own queue): start rank `rank` of a DDP group's attempt."""
+
+    type: Literal["ddp_launch"] = "ddp_launch"
+    attempt: NonNegativeInt
+    rank: NonNegativeInt
+    local_rank: NonNegativeInt
+    node_rank: NonNegativeInt
+    world_size: int = Field(gt=0)
+    master_addr: str = Field(max_length=253)
+    master_port: int = Field(gt=0, lt=65536)
+    backend: Literal["gloo", "nccl"]
+    spec: dict[str, Any]
+    resume_digest: str = Field("", max_length=128)  # the checkpoint to start from ("" : none)
+
+
+class DdpStop(Message):
+    """Scheduler → one learner: end its rank of this attempt (the group is torn down)."""
+
+    type: Literal["ddp_stop"] = "ddp_stop"
+    attempt: NonNegativeInt
+
+
+class DdpExit(Message):
+    """Learner → scheduler: its rank's process ended, with this exit code (and its last output)."""
+
+    type: Literal["ddp_exit"] = "ddp_exit"
+    attempt: NonNegativeInt
+    rank: NonNegativeInt
+    learner: str = Field(max_length=200)
+    node: str = Field(max_length=200)
+    code: int
+    tail: str = Field("", max_length=8000)
+
+
+class DdpModel(Message):
+    """Rank 0's learner → aggregator: a checkpoint the entry saved, or its final model."""
+
+    type: Literal["ddp_model"] = "ddp_model"
+    attempt: NonNegativeInt
+    kind: Literal["checkpoint", "final"]
+    step: int = 0
+    spec: dict[str, Any]
+    weights: dict[str, Any]
+
+
+class DdpStored(Message):
+    """Aggregator → scheduler: a DDP job's checkpoint or final model is stored under this digest."""
+
+    type: Literal["ddp_stored"] = "ddp_stored"
+    attempt: NonNegativeInt
+    kind: Literal["checkpoint", "final"]
+    step: int = 0
+    digest: str = Field(max_length=128)
+    model_path: str = ""
 
 
 EventKind = Literal["accepted", "round_started", "round_completed", "completed", "failed", "cancelled"]
@@ -273,21 +376,31 @@ AnyMessage = Annotated[
     | JobFailed
     | ModelGet
     | ModelReply
+    | ClientStateGet
+    | ClientStateReply
     | JobEvent
     | Heartbeat
     | StatusRequest
-    | StatusReply,
+    | StatusReply
+    | DdpLaunch
+    | DdpStop
+    | DdpExit
+    | DdpModel
+    | DdpStored,
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(AnyMessage)
 
 
+TENSOR_FIELDS = ("weights", "extras", "state", "delta")  # name -> tensor maps, encoded as they are
+
+
 def to_wire(msg: Message) -> bytes:
-    """Encode a message; tensors inside `weights` go through the codec's tensor extension."""
-    fields = msg.model_dump(exclude={"weights"})
-    weights = getattr(msg, "weights", None)
-    if weights is not None or "weights" in type(msg).model_fields:
-        fields["weights"] = weights
+    """Encode a message; tensors inside its tensor fields go through the codec's tensor extension."""
+    fields = msg.model_dump(exclude=set(TENSOR_FIELDS))
+    for name in TENSOR_FIELDS:
+        if name in type(msg).model_fields:
+            fields[name] = getattr(msg, name)
     return codec.packb(fields)
 
 

@@ -8,10 +8,13 @@ the scraped service).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from fedmq.common.task.metrics import MAX_NAMES, NAME, SOURCES
 
 # Local training and rounds last from milliseconds (tests) to an hour (real models);
 # prometheus-client's default buckets stop at 10 s.
@@ -22,12 +25,21 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
 # dashboard query finds the series before the first rejection happens.
 UPDATE_REASONS = (
     "decode", "unknown_job", "stale_round", "unknown_client", "stale_model", "wrong_tensors",
-    "wrong_dtype", "wrong_shape", "non_finite", "bad_example_count",
+    "wrong_dtype", "wrong_shape", "non_finite", "bad_example_count", "wrong_extras", "bad_compression",
+    "sender", "implausible_examples", "update_norm", "site_sender",
 )
 MESSAGE_REASONS = (
-    *UPDATE_REASONS, "invalid_spec", "unexpected_type", "blob", "oversize", "handler_error", "other"
+    *UPDATE_REASONS, "invalid_spec", "code_not_allowed", "over_limit", "unexpected_type", "blob", "oversize",
+    "handler_error", "other",
 )
-FAILURE_CODES = ("user_code", "invalid", "error")
+FAILURE_CODES = ("user_code", "invalid", "error", "no_site_learner")
+CODE_KINDS = ("task", "strategy", "trainer", "entry")  # what a spec names code for (common/coderefs.py)
+# Jobs refused or failed for passing a limit: the spec's own size (common/speclimits) or a
+# deployment's (settings: FEDMQ_MAX_*, FEDMQ_JOB_DISK_BYTES).
+JOB_LIMITS = (
+    "spec_bytes", "spec_nodes", "spec_depth", "options_bytes", "max_clients", "max_rounds", "max_jobs",
+    "model_bytes", "disk_quota",
+)
 
 
 def reason_label(reason: str) -> str:
@@ -39,6 +51,8 @@ def reason_label(reason: str) -> str:
 @dataclass
 class Metrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    _exported: dict[tuple[str, str], set[str]] = field(default_factory=dict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -51,7 +65,8 @@ class Metrics:
         )
         self.round_metric = Gauge(
             "fedmq_round_metric",
-            "A metric of the latest round, by job, source (train, federated, server, strategy) and name",
+            "A metric of the latest round, by job, source (train, federated, server, strategy, transport) "
+            "and name",
             ["fl_job", "source", "name"], registry=r,
         )
         self.current_round = Gauge("fedmq_job_round", "The round a job is in", ["fl_job"], registry=r)
@@ -74,8 +89,17 @@ class Metrics:
         self.messages_rejected = Counter(
             "fedmq_messages_rejected_total", "Messages dead-lettered, by reason", ["reason"], registry=r
         )
+        self.jobs_refused = Counter(
+            "fedmq_jobs_refused_total", "Jobs refused or failed for passing a limit, by limit", ["limit"],
+            registry=r,
+        )
         self.client_failures = Counter(
             "fedmq_client_failures_total", "Tasks a learner could not train, by code", ["code"], registry=r
+        )
+        self.code_refused = Counter(
+            "fedmq_code_refused_total",
+            "Jobs refused for naming code outside the allow-list (FEDMQ_ALLOWED_CODE), by what it was",
+            ["what"], registry=r,
         )
         self.state_write_errors = Counter(
             "fedmq_state_write_errors_total", "Writes of this service's state that failed (retried)",
@@ -106,17 +130,43 @@ class Metrics:
             self.messages_rejected.labels(reason)
         for code in FAILURE_CODES:
             self.client_failures.labels(code)
+        for what in CODE_KINDS:
+            self.code_refused.labels(what)
+        for limit in JOB_LIMITS:
+            self.jobs_refused.labels(limit)
 
     def round_metrics(self, job_id: str, metrics: Mapping[str, Mapping[str, float]]) -> None:
-        """Set the round metrics of a job, {source: {name: value}} (names bounded by the Task checks)."""
-        for source, values in metrics.items():
-            for name, value in values.items():
-                self.round_metric.labels(job_id, source, name).set(value)
+        """Set a job's latest round metrics, {source: {name: value}}, with bounded label values.
+
+        Clients may report different names (per-class metrics on non-IID data), and so may
+        rounds: whatever they do, a job exports the known sources, at most MAX_NAMES
+        names per source (the first in sorted order; the job's history keeps every one), and a
+        name the latest round of a source no longer has is removed, not left stale.
+        """
+        with self._lock:
+            for source, values in metrics.items():
+                if source not in SOURCES:
+                    continue
+                names = sorted(n for n in values if isinstance(n, str) and NAME.match(n))[:MAX_NAMES]
+                key = (job_id, source)
+                for gone in self._exported.get(key, set()) - set(names):
+                    self.round_metric.remove(job_id, source, gone)
+                for name in names:
+                    self.round_metric.labels(job_id, source, name).set(values[name])
+                self._exported[key] = set(names)
 
     def dead_letter(self, reason: str) -> None:
         """Hook for Bus.on_dead_letter: every message this service dead-lettered, by reason."""
         label = reason_label(reason)
         self.messages_rejected.labels(label if label in MESSAGE_REASONS else "other").inc()
+
+    def refused_code(self, what: str) -> None:
+        """A job named code outside the allow-list: counted by what it named (task, strategy, trainer)."""
+        self.code_refused.labels(what if what in CODE_KINDS else "task").inc()
+
+    def refused(self, limit: str) -> None:
+        """A job refused or failed for passing `limit` (one of JOB_LIMITS)."""
+        self.jobs_refused.labels(limit if limit in JOB_LIMITS else "other").inc()
 
     def traffic(self, direction: str, size: int) -> None:
         """Hook for RabbitBus.on_traffic."""
@@ -127,6 +177,14 @@ class Metrics:
         return {
             s.labels["reason"]: s.value
             for family in self.messages_rejected.collect() for s in family.samples
+            if s.name.endswith("_total") and s.value
+        }
+
+    def refused_counts(self) -> dict[str, float]:
+        """Non-zero counts of jobs refused or failed by limit (for tests and summaries)."""
+        return {
+            s.labels["limit"]: s.value
+            for family in self.jobs_refused.collect() for s in family.samples
             if s.name.endswith("_total") and s.value
         }
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import re
+import ssl
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fedmq.common.allowlist import parse_prefixes
+from fedmq.common.errors import ConfigError
+from fedmq.common.tls import client_context
 
 MiB = 1024 * 1024
 
@@ -20,14 +26,38 @@ _NEXT_URL = re.compile(r"\s*,\s*(?=[A-Za-z][A-Za-z0-9+.-]*://)")
 class Settings(BaseSettings):
     """Everything a fedmq service reads from its environment; built once at start-up."""
 
+    # hide_input_in_errors: a rejected value (a URL with its password) never reaches an error message.
     model_config = SettingsConfigDict(
-        env_prefix="FEDMQ_", env_file=".env", extra="ignore", frozen=True
+        env_prefix="FEDMQ_", env_file=".env", extra="ignore", frozen=True, hide_input_in_errors=True
     )
 
     broker_url: str = Field(
         "amqp://guest:guest@127.0.0.1:5672/%2F",
         description="AMQP URL of RabbitMQ (amqp or amqps); for a cluster, one URL per node, "
-        "comma-separated: a lost connection moves to the next",
+        "comma-separated: a lost connection moves to the next. Leave the password out of it "
+        "(amqp://user@host/vhost) and give it in FEDMQ_BROKER_PASSWORD_FILE",
+        repr=False,  # __repr_args__ shows it with the password hidden
+    )
+    broker_password: SecretStr | None = Field(
+        None, description="the broker password for a URL that names a user and no password; "
+        "prefer FEDMQ_BROKER_PASSWORD_FILE",
+    )
+    broker_password_file: Path | None = Field(
+        None, description="a file holding the broker password (a Docker or Kubernetes secret), "
+        "read at every connect; for a URL that names a user and no password",
+    )
+    tls_ca_file: Path | None = Field(
+        None, description="amqps: PEM CA certificate(s) that signed the broker's certificate; "
+        "unset: the system's CAs",
+    )
+    tls_cert_file: Path | None = Field(
+        None, description="amqps: PEM client certificate, for a broker that verifies its peers",
+    )
+    tls_key_file: Path | None = Field(
+        None, description="amqps: the client certificate's unencrypted PEM private key",
+    )
+    tls_verify_hostname: bool = Field(
+        True, description="amqps: check that the broker's certificate names the URL's host",
     )
     state_dir: Path = Field(Path(".fedmq"), description="where jobs, checkpoints and updates persist")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 disables")
@@ -77,11 +107,59 @@ class Settings(BaseSettings):
     data_dir: Path | None = Field(
         None, description="a learner's own data folder, handed to the Task's load_data (files only here)"
     )
+    sites: str = Field(
+        "", description="sites this learner hosts, comma-separated (e.g. `hospital-a,hospital-b`): it takes "
+        "those sites' tasks only, and its FEDMQ_DATA_DIR holds their data; empty: any logical client's",
+    )
+    site_users: str = Field(
+        "", description="which broker users serve each site, as `site:user` pairs, comma-separated "
+        "(aggregator, scheduler): a site listed here takes updates, evaluations and failures from those "
+        "users only; a site not listed, from any learner user",
+    )
     data_cache_clients: int = Field(
         64, ge=1, description="clients whose data a learner keeps loaded at once (least recently used goes)"
     )
+    allowed_code: str = Field(
+        "",
+        description="module prefixes, comma-separated, a job spec may name code (Task, strategy) from "
+        "besides fedmq's built-ins: `acme` allows acme and acme.x, not acmeevil; anything else is "
+        "refused before it is imported (`fedmq run` also allows your project: see Security)",
+    )
+    # Per-deployment limits on what one submission may ask for (the scheduler refuses the job,
+    # naming the setting), and on what one job may take of the aggregator (it fails the job).
+    max_clients: int = Field(100_000, ge=1, description="largest clients.total a job may have (scheduler)")
+    max_rounds: int = Field(10_000, ge=1, description="largest rounds a job may have (scheduler)")
+    max_jobs: int = Field(
+        16, ge=1, description="jobs running at once; a submission beyond is refused (scheduler)"
+    )
+    max_model_bytes: int = Field(
+        1024 * MiB, ge=1, description="largest global model (its tensors' bytes); a job with a larger one "
+        "fails when the aggregator builds it",
+    )
+    job_disk_bytes: int = Field(
+        20 * 1024 * MiB, ge=1, description="disk one job's aggregator state may use (updates, checkpoints, "
+        "client state); a write beyond fails the job",
+    )
+    keep_checkpoints: int = Field(
+        0, ge=0, description="global checkpoints the aggregator keeps per job: the last N rounds' and the "
+        "best round's (older pruned); 0 keeps every round's",
+    )
     torch_threads: int = Field(
         0, ge=0, description="torch threads; 0: one per service process, a share of the cores in `fedmq run`"
+    )
+    scheduler_users: str = Field(
+        "scheduler,guest", description="broker users (comma-separated) whose job, round and task "
+        "messages are taken; `guest` is all-powerful where it exists (a broker with no definitions)",
+    )
+    aggregator_users: str = Field(
+        "aggregator,guest", description="broker users whose update receipts and round results are taken",
+    )
+    learner_users: str = Field(
+        "learner,guest",
+        description="broker users whose updates, evaluations, failures and heartbeats are taken",
+    )
+    cli_users: str = Field(
+        "cli,guest", description="broker users whose job submissions, cancels and status requests are taken",
     )
 
     @field_validator("device")
@@ -94,6 +172,27 @@ class Settings(BaseSettings):
             return value
         raise ValueError("must be auto, cpu, cuda or cuda:N")
 
+    @field_validator("allowed_code")
+    @classmethod
+    def _allowed_code(cls, value: str) -> str:
+        return ",".join(parse_prefixes(value))
+
+    @field_validator("sites")
+    @classmethod
+    def _sites(cls, value: str) -> str:
+        return ",".join(_site_names(value.split(",")))
+
+    @field_validator("site_users")
+    @classmethod
+    def _site_users(cls, value: str) -> str:
+        pairs = [pair.strip() for pair in value.split(",") if pair.strip()]
+        for pair in pairs:
+            site, _, user = pair.partition(":")
+            if not user.strip():
+                raise ValueError(f"{pair!r}: write each pair as site:user, e.g. hospital-a:learner-a")
+            _site_names([site])
+        return ",".join(pairs)
+
     @field_validator("broker_url")
     @classmethod
     def _url(cls, value: str) -> str:
@@ -105,15 +204,86 @@ class Settings(BaseSettings):
                 raise ValueError(f"{redact_url(url)}: must start with amqp:// or amqps://")
         return ",".join(urls)
 
+    @model_validator(mode="after")
+    def _credentials_and_tls(self) -> Settings:
+        try:
+            check_credentials(self)
+            if any(urlsplit(url).scheme == "amqps" for url in self.broker_urls):
+                self.tls_context()  # every file is read and checked now, not at the first connect
+            elif self.tls_ca_file or self.tls_cert_file or self.tls_key_file:
+                raise ConfigError(
+                    "FEDMQ_TLS_* files are set but FEDMQ_BROKER_URL is amqp://: use amqps:// "
+                    "(RabbitMQ's TLS port, 5671 by default)"
+                )
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        yield ("broker_url", self.safe_broker_url)
+        yield from super().__repr_args__()
+
+    def tls_context(self) -> ssl.SSLContext:
+        """The client context for amqps URLs; ConfigError naming a missing or invalid file."""
+        return client_context(
+            self.tls_ca_file, self.tls_cert_file, self.tls_key_file, verify_hostname=self.tls_verify_hostname
+        )
+
+    def broker_password_value(self) -> str | None:
+        """The password of FEDMQ_BROKER_PASSWORD_FILE (read now) or FEDMQ_BROKER_PASSWORD; None: neither."""
+        if self.broker_password_file is not None:
+            return read_password_file(self.broker_password_file)
+        if self.broker_password is not None:
+            return self.broker_password.get_secret_value()
+        return None
+
+    @property
+    def role_users(self) -> dict[str, frozenset[str]]:
+        """Each sender role (scheduler, aggregator, learner, cli) and the broker users that hold it."""
+        lists = {
+            "scheduler": self.scheduler_users, "aggregator": self.aggregator_users,
+            "learner": self.learner_users, "cli": self.cli_users,
+        }
+        return {role: frozenset(filter(None, map(str.strip, u.split(",")))) for role, u in lists.items()}
+
+    @property
+    def site_names(self) -> tuple[str, ...]:
+        """The sites this learner hosts (FEDMQ_SITES); empty: it serves logical clients."""
+        return tuple(filter(None, self.sites.split(",")))
+
+    @property
+    def users_of_sites(self) -> dict[str, frozenset[str]]:
+        """FEDMQ_SITE_USERS as site → the broker users that serve it."""
+        users: dict[str, set[str]] = {}
+        for pair in filter(None, self.site_users.split(",")):
+            site, _, user = pair.partition(":")
+            users.setdefault(site.strip(), set()).add(user.strip())
+        return {site: frozenset(names) for site, names in users.items()}
+
     @property
     def broker_urls(self) -> tuple[str, ...]:
         """Every broker address, in the order a service tries them."""
         return split_urls(self.broker_url)
 
     @property
+    def allowed_prefixes(self) -> tuple[str, ...]:
+        """The operator's module prefixes (fedmq's built-ins are always allowed besides)."""
+        return parse_prefixes(self.allowed_code)
+
+    @property
     def safe_broker_url(self) -> str:
         """The broker URLs with their passwords hidden, fit for logs and error messages."""
         return ", ".join(redact_url(url) for url in self.broker_urls)
+
+
+def _site_names(names: list[str]) -> list[str]:
+    from fedmq.common.bus.topology import SITE_NAME
+
+    cleaned = [name.strip() for name in names if name.strip()]
+    for name in cleaned:
+        if not SITE_NAME.match(name):
+            raise ValueError(f"{name!r} is not a site name: letters, digits, '-' and '_', at most 64")
+    return list(dict.fromkeys(cleaned))
 
 
 def split_urls(value: str) -> tuple[str, ...]:
@@ -122,11 +292,48 @@ def split_urls(value: str) -> tuple[str, ...]:
 
 
 def redact_url(url: str) -> str:
-    """One URL with its password replaced by ***."""
+    """One URL with its password replaced by ***, however malformed the rest of it."""
     parts = urlsplit(url)
-    if parts.password is None:
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return url
-    netloc = f"{parts.username}:***@{parts.hostname}"
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def read_password_file(path: Path) -> str:
+    """The password in a file, without its trailing newline; ConfigError (never the content) if unusable."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"FEDMQ_BROKER_PASSWORD_FILE={path}: cannot read it ({why})") from None
+    password = text.rstrip("\r\n")
+    if not password:
+        raise ConfigError(f"FEDMQ_BROKER_PASSWORD_FILE={path}: the file is empty")
+    return password
+
+
+def check_credentials(settings: Settings) -> None:
+    """The password is given once, where a user is named: in the URL or in a setting, not both."""
+    if settings.broker_password is not None and settings.broker_password_file is not None:
+        raise ConfigError("set FEDMQ_BROKER_PASSWORD_FILE or FEDMQ_BROKER_PASSWORD, not both")
+    from_setting = settings.broker_password is not None or settings.broker_password_file is not None
+    for url in settings.broker_urls:
+        parts = urlsplit(url)
+        if parts.password is not None and from_setting:
+            raise ConfigError(
+                f"{redact_url(url)} has a password and a FEDMQ_BROKER_PASSWORD* setting gives another: "
+                "take it out of FEDMQ_BROKER_URL"
+            )
+        if parts.username is None and from_setting:
+            raise ConfigError(
+                f"{url}: FEDMQ_BROKER_PASSWORD* is set but the URL names no user (amqp://USER@host/vhost)"
+            )
+        if parts.username is not None and parts.password is None and not from_setting:
+            raise ConfigError(
+                f"{url} names user {parts.username!r} but no password: set FEDMQ_BROKER_PASSWORD_FILE "
+                "(or FEDMQ_BROKER_PASSWORD)"
+            )
+    if settings.broker_password_file is not None:
+        read_password_file(settings.broker_password_file)

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from fedmq.common.errors import StateUnwritable
+
+# A job id that may name a folder (the aggregator's store, a learner's DDP rank): never a path out.
+JOB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,127}")
 
 TEMP_SUFFIX = ".tmp"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from fedmq.common.allowlist import CodeNotAllowed
 from fedmq.common.errors import FedmqError, StateUnwritable
 from fedmq.common.messages import UserError
 
@@ -52,11 +53,12 @@ def user_code(phase: str, *, round: int | None = None, client: int | None = None
 
     fedmq's own checks of what user code returned (a ConfigError saying the model's output
     has the wrong shape) count too: they fail the same way for every client. A state write
-    that fails inside the block is fedmq's, not the user's, and passes through unchanged.
+    that fails inside the block is fedmq's, not the user's, and passes through unchanged, as
+    does a refusal to import code outside the allow-list (a wrapper's inner strategy).
     """
     try:
         yield
-    except (UserCodeError, StateUnwritable):
+    except (UserCodeError, StateUnwritable, CodeNotAllowed):
         raise
     except (Exception, SystemExit) as exc:  # SystemExit: a user's sys.exit() must not end a thread
         message = str(exc)[:MESSAGE_CHARS]

@@ -1,7 +1,8 @@
 """fedmq from Python: define a job, run it here (or on a cluster), follow it, get models back.
 
     python -m examples.python_api                     # in this process, no broker
-    python -m examples.python_api amqp://cli:cli-dev@127.0.0.1:5672/fedmq   # on a cluster
+    FEDMQ_BROKER_PASSWORD_FILE=cli.password python -m examples.python_api amqp://cli@127.0.0.1:5672/fedmq
+                                                      # on a cluster: the password never on the command line
 
 The same fields and validation as a YAML spec; a typo raises fedmq's ConfigError naming it.
 """

@@ -5,6 +5,7 @@ The public interface lives here:
     import fedmq
 
     class MyTask(fedmq.Task): ...             # the workload (fedmq.Task's docstring)
+    class MyStrategy(fedmq.Strategy): ...     # optional: the server's algorithm (fedmq.Strategy's module)
     job = fedmq.Job(name="demo", task=MyTask, clients={"total": 10}, rounds=20)
     result = fedmq.run(job)                    # in this process; broker="amqp://..." for a cluster
 
@@ -17,6 +18,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from fedmq.common.strategy.contract import (
+    Aggregate,
+    ClientFailed,
+    ClientResult,
+    JobFacts,
+    RoundContext,
+    Strategy,
+    StrategyOptions,
+)
 from fedmq.common.task.contract import (
     ClientData,
     DataContext,
@@ -41,12 +51,14 @@ _LAZY = {
     "Result": ("fedmq.services.api.result", "Result"),
     "RoundRecord": ("fedmq.services.api.result", "RoundRecord"),
     "SyncStats": ("fedmq.services.api.result", "SyncStats"),
+    "Controls": ("fedmq.common.task.scaffold", "Controls"),  # SCAFFOLD in a Task's own train
 }
 
 if TYPE_CHECKING:
     from torch import nn
 
     from fedmq.common.jobspec import JobSpec as Job
+    from fedmq.common.task.scaffold import Controls
     from fedmq.services.api.result import Result, RoundRecord, SyncStats
     from fedmq.services.api.runner import Callback, Runner, run
 
@@ -70,17 +82,25 @@ def load_model(path: str) -> nn.Module:
 
 
 __all__ = [
+    "Aggregate",
     "Callback",
     "ClientData",
+    "ClientFailed",
+    "ClientResult",
+    "Controls",
     "DataContext",
     "EvalContext",
     "EvalResult",
     "ExportContext",
     "Job",
+    "JobFacts",
     "Objective",
     "Result",
+    "RoundContext",
     "RoundRecord",
     "Runner",
+    "Strategy",
+    "StrategyOptions",
     "SyncStats",
     "Task",
     "TrainContext",

@@ -3,16 +3,22 @@
 # promtool (Debian's prometheus) checks the Prometheus config and dashboard queries,
 # docker-compose validates compose.yaml. Without them those tests skip loudly, or fail
 # under CI (CI=1, yes or true). --no-install-recommends keeps docker-compose from pulling in a Docker engine.
+# FEDMQ_NO_INSTALL=1: install nothing, only say what is missing.
 set -u
 missing=()
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 [ ${#missing[@]} -eq 0 ] && exit 0
-if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-  echo "ensure-tools: missing ${missing[*]} and cannot apt-get install here; those tests will skip" >&2
+why="the deployment tests use promtool (package prometheus) and docker-compose; without them those tests skip (or fail under CI=1|yes|true)"
+if [ "${FEDMQ_NO_INSTALL:-0}" = 1 ]; then
+  echo "ensure-tools: missing ${missing[*]}; not installing them (FEDMQ_NO_INSTALL=1): $why" >&2
   exit 0
 fi
-echo "ensure-tools: apt-get install ${missing[*]}" >&2
+if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+  echo "ensure-tools: missing ${missing[*]} and cannot apt-get install here: $why" >&2
+  exit 0
+fi
+echo "ensure-tools: installing ${missing[*]} as root with apt-get (FEDMQ_NO_INSTALL=1 to skip): $why" >&2
 apt-get update -qq >/dev/null 2>&1
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
   || echo "ensure-tools: apt-get install ${missing[*]} failed; those tests will skip (or fail under CI=1|yes|true)" >&2

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings as hypothesis_settings
 
 from fedmq.common.checkpoint import load_state
 from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
@@ -16,6 +18,13 @@ from tests import rabbit
 from tests.tiers import mark_tiers
 
 REPO = Path(__file__).resolve().parent.parent
+
+# CI runs the property tests on a fixed sequence of examples, so a build fails for the code it
+# builds, never for a new random draw; a developer's runs keep exploring (and keep what they find
+# in .hypothesis/).
+hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI"):
+    hypothesis_settings.load_profile("ci")
 
 # Services against tests/reference.py, which adds in another order (float64 averages, plain SGD
 # arithmetic). |a - b| <= ATOL + RTOL * |b|. Measured on SGD jobs of 2-5 rounds like the tests'
@@ -40,6 +49,17 @@ def services_train_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     `Settings(device=...)` or sets FEDMQ_DEVICE for its process itself.
     """
     monkeypatch.setenv("FEDMQ_DEVICE", "cpu")
+
+
+@pytest.fixture(autouse=True)
+def services_may_import_the_tests_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FEDMQ_ALLOWED_CODE=tests,examples for every Settings() a test builds and every process it starts.
+
+    Services import a job's code only from fedmq's built-ins and that setting's prefixes; the
+    tests' Tasks and strategies live in tests/ and examples/. A test about the allow-list sets
+    its own (tests/integration/test_code_allow_list.py).
+    """
+    monkeypatch.setenv("FEDMQ_ALLOWED_CODE", "tests,examples")
 
 
 @pytest.hookimpl(wrapper=True)

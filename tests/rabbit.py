@@ -6,17 +6,23 @@ Every test that gets here must carry the `rabbitmq` marker (tests/tiers.py adds 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
+from fedmq.common.bus.rabbitmq import RabbitBus
+from fedmq.common.settings import Settings
 from tests.ci import under_ci
 
 BASE_URL = os.environ.get("FEDMQ_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -90,3 +96,103 @@ def dead_letters(url: str) -> list[tuple[dict, bytes]]:
             out.append((dict(props.headers or {}), body))
     finally:
         conn.close()
+
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+SERVICE_USERS = ("scheduler", "aggregator", "learner", "cli")
+TOPOLOGY_KINDS = ("queues", "exchanges", "bindings")
+
+
+@dataclass
+class Deployed:
+    """deploy/rabbitmq/definitions.json imported under unique names: a vhost and one user per service."""
+
+    vhost: str
+    names: dict[str, str]  # service user in the definitions → its name on this broker
+    passwords: dict[str, str]
+    where: str
+
+    def url(self, user: str) -> str:
+        return f"amqp://{self.names[user]}:{self.passwords[user]}@{self.where}/{self.vhost}"
+
+    def role_env(self) -> dict[str, str]:
+        """FEDMQ_<ROLE>_USERS naming this broker's users (common/senders.py), for every service."""
+        return {f"FEDMQ_{role.upper()}_USERS": name for role, name in self.names.items()}
+
+
+def _ctl_out(*args: str, stdin: str | None = None) -> str:
+    command = ["rabbitmqctl", "-q", *args]
+    proc = subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"rabbitmqctl {' '.join(args)}: {proc.stdout}{proc.stderr}"
+    return proc.stdout
+
+
+@contextmanager
+def deployed_vhost() -> Iterator[Deployed]:
+    """The deployment's users, permissions and topology in a private vhost; all deleted afterwards.
+
+    The passwords are the development ones of deploy/compose.env.example (the hashes in
+    definitions.json are theirs); the administrator is not imported.
+    """
+
+    require_rabbitmq()
+    suffix = uuid.uuid4().hex[:8]
+    vhost = f"fedmq-deploy-{suffix}"
+    defs = json.loads((DEPLOY / "rabbitmq" / "definitions.json").read_text())
+    names = {u: f"{u}-{suffix}" for u in SERVICE_USERS}
+    imported = {
+        "users": [{**u, "name": names[u["name"]]} for u in defs["users"] if u["name"] in names],
+        "vhosts": [{**v, "name": vhost} for v in defs["vhosts"]],
+        "permissions": [
+            {**p, "user": names[p["user"]], "vhost": vhost} for p in defs["permissions"] if p["user"] in names
+        ],
+        **{kind: [{**item, "vhost": vhost} for item in defs[kind]] for kind in TOPOLOGY_KINDS},
+    }
+    # compose.yaml passes each service its password from .env: the example's development ones
+    example = (DEPLOY / "compose.env.example").read_text().splitlines()
+    env = dict(line.strip().split("=", 1) for line in example if line.strip() and not line.startswith("#"))
+    passwords = {user: env[f"{user.upper()}_BROKER_PASSWORD"] for user in SERVICE_USERS}
+    base = urlsplit(BASE_URL)
+    try:
+        # From standard input: Debian's rabbitmqctl runs as the rabbitmq user, who cannot read tmp dirs.
+        _ctl_out("import_definitions", "--format", "json", stdin=json.dumps(imported))
+
+        def imported_yet() -> bool:  # the import is asynchronous; the bindings come last
+            if vhost not in _ctl_out("list_vhosts").split():
+                return False
+            granted = {line.split("\t")[0] for line in _ctl_out("list_permissions", "-p", vhost).splitlines()}
+            bound = _ctl_out("list_bindings", "-p", vhost, "source_name", "destination_name").split()
+            wanted = {b["source"] for b in defs["bindings"]}
+            return set(names.values()) <= granted and wanted <= set(bound)
+
+        deadline = time.monotonic() + 30
+        while not imported_yet():
+            assert time.monotonic() < deadline, "the definitions were not imported within 30 s"
+            time.sleep(0.2)
+        yield Deployed(vhost, names, passwords, f"{base.hostname}:{base.port or 5672}")
+    finally:
+        # Whatever the import got to: remove it all, without masking the test's own failure.
+        for args in (("delete_vhost", vhost), *(("delete_user", name) for name in names.values())):
+            subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60)
+
+
+class WatchedBus(RabbitBus):
+    """A service's bus that, besides its metrics hook, tells the test of each message it dead-letters."""
+
+    def __init__(self, settings: Settings, name: str, seen: Callable[[str], None]) -> None:
+        self._seen = seen
+        self._hook: Callable[[str], None] | None = None
+        super().__init__(settings, name)
+
+    @property
+    def on_dead_letter(self) -> Callable[[str], None]:
+        return self._refused
+
+    @on_dead_letter.setter
+    def on_dead_letter(self, hook: Callable[[str], None] | None) -> None:
+        self._hook = hook
+
+    def _refused(self, reason: str) -> None:
+        if self._hook is not None:
+            self._hook(reason)
+        self._seen(reason)

@@ -87,9 +87,10 @@ class Node:
 class RabbitCluster:
     """`size` RabbitMQ nodes clustered together; `stop_app`/`start_app` one at a time."""
 
-    def __init__(self, root: Path, size: int = 3) -> None:
+    def __init__(self, root: Path, size: int = 3, conf: str = "") -> None:
         self.scripts = require_rabbitmq_server()
         self.root = root
+        self.conf = conf  # more rabbitmq.conf lines for every node (a TLS listener)
         tag = secrets.token_hex(3)
         ports = free_ports(2 * size)
         self.nodes = [
@@ -180,7 +181,8 @@ class RabbitCluster:
 
     def _boot(self, node: Node) -> subprocess.Popen[bytes]:
         node.home.mkdir(parents=True)
-        (node.home / "rabbitmq.conf").write_text(f"listeners.tcp.default = 127.0.0.1:{node.amqp_port}\n")
+        listener = f"listeners.tcp.default = 127.0.0.1:{node.amqp_port}\n"
+        (node.home / "rabbitmq.conf").write_text(listener + self.conf)
         (node.home / "enabled_plugins").write_text("[].\n")  # no management or prometheus listeners
         (node.home / "rabbitmq-env.conf").write_text("")  # not the system's (it names the main node)
         env = {
@@ -205,9 +207,9 @@ class RabbitCluster:
 
 
 @contextmanager
-def rabbit_cluster(root: Path, size: int = 3) -> Iterator[RabbitCluster]:
+def rabbit_cluster(root: Path, size: int = 3, conf: str = "") -> Iterator[RabbitCluster]:
     """A started cluster of `size` nodes, stopped afterwards whatever happens."""
-    cluster = RabbitCluster(root, size)
+    cluster = RabbitCluster(root, size, conf)
     try:
         cluster.start()
         yield cluster

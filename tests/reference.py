@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedmq.common.jobspec import AverageStrategy, FedAvgMStrategy, JobSpec, TrainSpec
+from fedmq.common.jobspec import JobSpec, TrainSpec
 from fedmq.common.seeding import torch_generator
 from fedmq.common.task.runtime import TaskRuntime
 from fedmq.services.scheduler.sampling import sample_clients
@@ -54,12 +54,14 @@ def reference_fedavg(spec: JobSpec) -> dict[str, Any]:
             x, y = task.load_data(k, None).train
             client_update(model, x, y, spec.train, torch_generator(spec.seed, "train", r, k))
             updates.append((len(y), _copy(model)))
-        if isinstance(spec.strategy, AverageStrategy):
+        if spec.strategy.name == "average":
             updates = [(1, w_k) for _, w_k in updates]
         averaged = weighted_average(updates)
-        if isinstance(spec.strategy, FedAvgMStrategy):
+        if spec.strategy.name == "fedavgm":
+            options = spec.strategy.options  # the paper's defaults where the spec gives none
             averaged = server_momentum_step(
-                w, averaged, velocity, spec.strategy.server_lr, spec.strategy.server_momentum
+                w, averaged, velocity, float(options.get("server_lr", 1.0)),
+                float(options.get("server_momentum", 0.9)),
             )
         w = averaged
         model.load_state_dict(w)

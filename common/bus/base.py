@@ -25,6 +25,9 @@ class Delivery(ABC):
     reply_to: str | None = None
     correlation_id: str | None = None
     headers: dict[str, Any] = field(default_factory=dict)
+    # Who published it: the broker user (RabbitMQ checks it against the publisher's login;
+    # a publisher may leave it out, so None is possible), or the in-memory bus's identity.
+    user_id: str | None = None
     # A large message received into a file (consume(..., spool=DIR)): `body` is then empty.
     # The handler may move the file away; whatever is left is removed once the message is settled.
     body_path: Path | None = None
@@ -100,6 +103,10 @@ class Bus(ABC):
     @abstractmethod
     def call_soon(self, callback: Callable[[], None]) -> None:
         """Run `callback` on the dispatch thread as soon as it is free. Thread-safe."""
+
+    def call_soon_from_signal(self, callback: Callable[[], None]) -> None:
+        """As call_soon, safe in a signal handler: queued only (the loop looks within a second)."""
+        self.call_soon(callback)
 
     @abstractmethod
     def run(self) -> None:

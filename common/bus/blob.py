@@ -1,6 +1,6 @@
 """The chunked-blob protocol: a message larger than one frame, sent and read back over RabbitMQ.
 
-    sender ──chunks 0..n-1──▶ [fedmq.blob.<id>]   (x-expires: FEDMQ_BLOB_EXPIRY_S unused)
+    sender ──chunks 0..n-1──▶ fedmq.x.blob ──▶ [fedmq.blob.<id>]   (x-expires: FEDMQ_BLOB_EXPIRY_S unused)
            ──envelope (empty body; names the blob, count, size, sha256)──▶ destination queue
            ✗ failed before the envelope left, or the broker refused it ──▶ queue_delete (now,
              or on the next connection if this one is gone)
@@ -36,6 +36,8 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
+from fedmq.common.bus.topology import BLOBS
+
 BLOB_PREFIX = "fedmq.blob."
 H_BLOB, H_INDEX, H_COUNT, H_SIZE, H_DIGEST = (
     "x-fedmq-blob", "x-fedmq-index", "x-fedmq-count", "x-fedmq-size", "x-fedmq-digest"
@@ -70,12 +72,12 @@ def publish_blob(
     ch.queue_declare(blob, durable=True, arguments={"x-expires": expiry_s * 1000})
     view = memoryview(body)
     try:
+        ch.queue_bind(blob, BLOBS, routing_key=blob)  # nobody writes to the default exchange
         for index in range(count):
             chunk_headers = {H_BLOB: blob, H_INDEX: index, H_COUNT: count}
             chunk = bytes(view[index * frame_bytes : (index + 1) * frame_bytes])
-            ch.basic_publish(
-                "", blob, chunk, pika.BasicProperties(delivery_mode=2, headers=chunk_headers), mandatory=True
-            )
+            chunk_props = pika.BasicProperties(delivery_mode=2, headers=chunk_headers, user_id=props.user_id)
+            ch.basic_publish(BLOBS, blob, chunk, chunk_props, mandatory=True)
             on_chunk(len(chunk))
     except BaseException:
         _discard(ch, blob, on_orphan)  # no envelope was sent: nobody will ever read these chunks
@@ -85,7 +87,7 @@ def publish_blob(
     }
     envelope = pika.BasicProperties(
         delivery_mode=props.delivery_mode, reply_to=props.reply_to,
-        correlation_id=props.correlation_id, headers=envelope_headers,
+        correlation_id=props.correlation_id, headers=envelope_headers, user_id=props.user_id,
     )
     try:
         ch.basic_publish(exchange, key, b"", envelope, mandatory=mandatory)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import pika
 import pika.exceptions
@@ -34,7 +35,7 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 from fedmq.common.bus.base import Timer
-from fedmq.common.bus.topology import declare_topology, refused_queue_advice
+from fedmq.common.bus.topology import bind_topology, declare_topology, refused_queue_advice
 from fedmq.common.errors import BrokerUnavailable
 from fedmq.common.settings import Settings, redact_url
 
@@ -63,10 +64,22 @@ class _LoopTimer(Timer):
 
 
 def connection_parameters(settings: Settings, name: str) -> list[pika.URLParameters]:
-    """How to reach each broker node: one attempt per connect (the loop retries), named for the UI."""
+    """How to reach each broker node: one attempt per connect (the loop retries), named for the UI.
+
+    A URL that names a user and no password gets FEDMQ_BROKER_PASSWORD(_FILE)'s, read now;
+    an amqps URL gets the FEDMQ_TLS_* context, the broker's name checked against the URL's host.
+    """
+    password = settings.broker_password_value()
+    context = None
     nodes = []
     for url in settings.broker_urls:
-        params = pika.URLParameters(url)
+        parts = urlsplit(url)
+        params = pika.URLParameters(_without_password(url) if password is not None else url)
+        if password is not None and parts.username is not None:
+            params.credentials = pika.PlainCredentials(unquote(parts.username), password)
+        if parts.scheme == "amqps":
+            context = context or settings.tls_context()
+            params.ssl_options = pika.SSLOptions(context, server_hostname=parts.hostname)
         params.heartbeat = settings.heartbeat_s
         params.blocked_connection_timeout = 60
         params.connection_attempts = 1
@@ -74,6 +87,13 @@ def connection_parameters(settings: Settings, name: str) -> list[pika.URLParamet
         params.client_properties = {"connection_name": name}
         nodes.append(params)
     return nodes
+
+
+def _without_password(url: str) -> str:
+    # pika cannot parse a URL with a user and no password: give it user:x, replaced by the real one.
+    parts = urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:x@{host}")) if at else url
 
 
 class BrokerConnection:
@@ -107,6 +127,7 @@ class BrokerConnection:
         BrokerUnavailable if no node answers, naming every address and what each said.
         """
         urls = self.settings.broker_urls
+        self.nodes = connection_parameters(self.settings, self.name)  # a password file read afresh
         failures: list[tuple[str, BaseException]] = []
         for step in range(len(urls)):
             index = (self._first + step) % len(urls)
@@ -138,6 +159,14 @@ class BrokerConnection:
                 f"RabbitMQ at {redact_url(self.settings.broker_urls[index])} refused fedmq's queues: "
                 f"{refused_queue_advice(exc.reply_text)}"
             ) from None
+        binder = self.conn.channel()  # a refusal closes it, not the main channel
+        if bind_topology(binder):
+            binder.close()
+
+    @property
+    def user(self) -> str:
+        """The broker user of the node connected to (or last connected to): every publish's user_id."""
+        return str(getattr(self.nodes[self.node].credentials, "username", "") or "")
 
     def drop(self) -> None:
         """Forget the connection (closing it if it is still open); its deliveries are the broker's again."""
@@ -267,6 +296,10 @@ class BrokerConnection:
         self._outbox.put(callback)
         self._wake()
 
+    def call_soon_quietly(self, callback: Callable[[], None]) -> None:
+        """Queued without waking the loop (pika's wake-up takes a lock: not from a signal handler)."""
+        self._outbox.put(callback)  # SimpleQueue.put is reentrant
+
     def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
         timer = _LoopTimer()
         entry = (time.monotonic() + delay, next(self._seq), timer, callback)
@@ -332,7 +365,13 @@ def unreachable_message(failures: list[tuple[str, BaseException]]) -> str:
         where = f"any of {len(failures)} RabbitMQ nodes: " + "; ".join(
             f"{redact_url(url)} ({said(exc)})" for url, exc in failures
         )
-    return (
+    advice = (
         f"cannot reach {where}. Is the broker running (rabbitmq-diagnostics ping), and are "
         "FEDMQ_BROKER_URL's host, port, vhost and credentials right?"
     )
+    if any(urlsplit(url).scheme == "amqps" for url, _ in failures):
+        advice += (
+            " For amqps: does FEDMQ_TLS_CA_FILE hold the CA that signed the broker's certificate, does "
+            "that certificate name the URL's host, and does the broker accept FEDMQ_TLS_CERT_FILE?"
+        )
+    return advice

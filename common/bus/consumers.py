@@ -128,6 +128,8 @@ class Consumers:
 
     def _start_consumer(self, consumer: _Consumer) -> None:
         assert self._link.channel is not None
+        if topology.is_site_queue(consumer.queue):  # a learner hosting a site: the scheduler binds it
+            topology.declare_site_queue(self._link.channel, self._link.settings, consumer.queue, bind=False)
         self._link.channel.basic_qos(prefetch_count=consumer.prefetch)
         self._link.channel.basic_consume(
             consumer.queue,
@@ -152,6 +154,7 @@ class Consumers:
             reply_to=props.reply_to,
             correlation_id=props.correlation_id,
             headers=headers,
+            user_id=props.user_id,
             _consumers=self,
             _tag=method.delivery_tag,
             _generation=self._link.generation,
@@ -238,7 +241,8 @@ class Consumers:
         if len(body) > self._dead_body_bytes:  # the reason stays; a hostile body need not
             headers[H_DROPPED] = len(body)
             body = b""
-        self._link.channel.basic_publish(
-            "", topology.DEAD_LETTERS, body,
-            pika.BasicProperties(delivery_mode=2, headers=headers), mandatory=True,
+        self._link.channel.basic_publish(  # through the DLX: nobody writes to the default exchange
+            topology.DLX, topology.DEAD_LETTERS, body,
+            pika.BasicProperties(delivery_mode=2, headers=headers, user_id=self._link.user or None),
+            mandatory=True,
         )

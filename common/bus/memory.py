@@ -4,6 +4,8 @@ One `MemoryBroker` holds the queues; each service gets its own `MemoryBus`
 (like its own connection) with one dispatch thread. Semantics follow the
 broker's: round-robin delivery within prefetch, manual acks, redelivery of
 unacked messages when a bus stops, a delivery limit, dead letters with reasons.
+Each bus has a user, stamped on everything it publishes as `Delivery.user_id`, as
+RabbitMQ stamps (and checks) the broker user; the consumers check it the same way.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class _Message:
     reply_to: str | None
     correlation_id: str | None
     headers: dict[str, Any]
+    user_id: str | None = None
     deliveries: int = 0
 
 
@@ -72,8 +75,9 @@ class MemoryBroker:
         self._subscriptions: list[tuple[str, MemoryBus, EventHandler]] = []
         self._waiters: dict[str, _Waiter] = {}
 
-    def connect(self) -> MemoryBus:
-        return MemoryBus(self)
+    def connect(self, user: str = "guest") -> MemoryBus:
+        """A bus publishing as `user` (`guest`, as a RabbitMQ with no definitions, unless told)."""
+        return MemoryBus(self, user)
 
     def depth(self, name: str) -> int:
         """Messages ready plus unacked on a queue."""
@@ -113,6 +117,7 @@ class MemoryBroker:
                 reply_to=message.reply_to,
                 correlation_id=message.correlation_id,
                 headers=dict(message.headers),
+                user_id=message.user_id,
                 _broker=self,
                 _consumer=consumer,
                 _message=message,
@@ -208,8 +213,9 @@ class _MemoryTimer(Timer):
 class MemoryBus(Bus):
     """One service's connection to a MemoryBroker, with its own dispatch thread."""
 
-    def __init__(self, broker: MemoryBroker) -> None:
+    def __init__(self, broker: MemoryBroker, user: str = "guest") -> None:
         self.broker = broker
+        self.user = user
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._timers: list[tuple[float, int, _MemoryTimer, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
@@ -227,7 +233,7 @@ class MemoryBus(Bus):
     ) -> None:
         if not isinstance(body, bytes):
             raise TypeError("message bodies must be bytes")
-        self.broker._publish(queue, _Message(body, reply_to, correlation_id, dict(headers or {})))
+        self.broker._publish(queue, _Message(body, reply_to, correlation_id, dict(headers or {}), self.user))
 
     def publish_event(self, topic: str, body: bytes) -> None:
         self.broker._publish_event(topic, body)

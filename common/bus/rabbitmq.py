@@ -1,7 +1,9 @@
 """RabbitMQ bus over pika's BlockingConnection, with the in-memory bus's contract.
 
 Publishing waits for the broker's confirm; a body over the frame size goes as a
-blob. Requests wait for a reply on this bus's exclusive reply queue. The parts:
+blob. Requests wait for a reply on this bus's exclusive reply queue, bound to
+fedmq.x.reply. Every message goes through a named exchange (topology.py) and carries
+this connection's broker user in `user_id`, which RabbitMQ checks. The parts:
 
     connection.py   the connection, its loop thread, timers, reconnects, the hand-off
     consumers.py    consumers and subscriptions, and settling (ack, reject, requeue)
@@ -51,6 +53,7 @@ class RabbitBus(Bus):
         )
         self._waiters: dict[str, Future[bytes]] = {}
         self._orphans: list[str] = []  # blob queues of failed sends, deleted at the next connect
+        self._sites_bound: set[str] = set()  # site queues declared and bound on this connection
         self._reply_queue = ""
         self._stopped = threading.Event()
         self.stats = {"published_bytes": 0, "consumed_bytes": 0, "largest_frame_bytes": 0, "blobs_sent": 0}
@@ -91,6 +94,9 @@ class RabbitBus(Bus):
     def call_soon(self, callback: Callable[[], None]) -> None:
         self._link.call_soon(callback)
 
+    def call_soon_from_signal(self, callback: Callable[[], None]) -> None:
+        self._link.call_soon_quietly(callback)
+
     def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
         return self._link.call_later(delay, callback)
 
@@ -98,10 +104,12 @@ class RabbitBus(Bus):
         """On every (re)connect: orphans deleted, a fresh reply queue, every consumer and subscription."""
         ch = self._link.channel
         assert ch is not None
+        self._sites_bound.clear()  # a fresh connection declares (and binds) them again
         while self._orphans:
             ch.queue_delete(self._orphans[-1])  # idempotent: one already gone is no error
             self._orphans.pop()
         self._reply_queue = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
+        ch.queue_bind(self._reply_queue, topology.REPLIES, routing_key=self._reply_queue)
         ch.basic_qos(prefetch_count=4)
         ch.basic_consume(self._reply_queue, self._on_reply, auto_ack=False)
         self._consumers.start_all()
@@ -139,22 +147,50 @@ class RabbitBus(Bus):
     ) -> None:
         if not isinstance(body, bytes):
             raise TypeError("message bodies must be bytes")
-        props = pika.BasicProperties(
-            delivery_mode=2, reply_to=reply_to, correlation_id=correlation_id, headers=headers or None
+        exchange = topology.exchange_for(queue)
+        props = self._props(
+            delivery_mode=2, reply_to=reply_to, correlation_id=correlation_id, headers=headers
         )
-        self._link.run_on_loop(lambda: self._send("", queue, body, props, mandatory=True))
+
+        def send() -> None:
+            if exchange == topology.SITES:
+                self._ensure_site_queue(queue)
+            self._send(exchange, queue, body, props, mandatory=True)
+
+        self._link.run_on_loop(send)
+
+    def _ensure_site_queue(self, queue: str) -> None:
+        """A site's queue exists and is bound before its first task on this connection (the
+        scheduler's right): a task for a site whose learner is down waits there, not unroutable."""
+        if queue in self._sites_bound:
+            return
+        ch = self._link.channel
+        if ch is None:
+            raise pika.exceptions.ChannelWrongStateError("not connected")
+        topology.declare_site_queue(ch, self.settings, queue, bind=True)
+        self._sites_bound.add(queue)
 
     def publish_event(self, topic: str, body: bytes) -> None:
-        props = pika.BasicProperties(delivery_mode=1)
+        props = self._props(delivery_mode=1)
         self._link.run_on_loop(lambda: self._send(topology.EVENTS, topic, body, props, mandatory=False))
+
+    def _props(
+        self, *, delivery_mode: int, reply_to: str | None = None, correlation_id: str | None = None,
+        headers: dict[str, Any] | None = None,
+    ) -> pika.BasicProperties:
+        """Message properties naming this connection's user: RabbitMQ refuses a publish with another."""
+        return pika.BasicProperties(
+            delivery_mode=delivery_mode, reply_to=reply_to, correlation_id=correlation_id,
+            headers=headers or None, user_id=self._link.user or None,
+        )
 
     def reply(self, delivery: Delivery, body: bytes) -> None:
         if not delivery.reply_to:
             return
-        props = pika.BasicProperties(delivery_mode=1, correlation_id=delivery.correlation_id)
+        props = self._props(delivery_mode=1, correlation_id=delivery.correlation_id)
         queue = delivery.reply_to or ""
         try:  # mandatory: a large reply's blob queue is deleted when its envelope cannot be routed
-            self._link.run_on_loop(lambda: self._send("", queue, body, props, mandatory=True))
+            self._link.run_on_loop(lambda: self._send(topology.REPLIES, queue, body, props, mandatory=True))
         except pika.exceptions.UnroutableError:
             # The asker is gone (timed out, restarted, cut off), its reply queue with it. Not an error.
             log.info("reply_undeliverable", queue=delivery.queue)
@@ -163,10 +199,11 @@ class RabbitBus(Bus):
         if not self._link.running:
             raise RuntimeError("request() needs the bus running in another thread")
         correlation_id = uuid.uuid4().hex
+        exchange = topology.exchange_for(queue)
         future: Future[bytes] = Future()
         self._waiters[correlation_id] = future
         try:
-            self._link.run_on_loop(lambda: self._send("", queue, body, pika.BasicProperties(
+            self._link.run_on_loop(lambda: self._send(exchange, queue, body, self._props(
                 delivery_mode=2, reply_to=self._reply_queue, correlation_id=correlation_id,
             ), mandatory=True))
             return future.result(timeout=timeout)

@@ -6,17 +6,35 @@
                           │                          ▲
                    TrainTask ─▶ [fedmq.tasks] ─▶ learners ──ModelGet──▶ [fedmq.model]
                           │
+                   TrainTask of site S ─▶ [fedmq.site.S] ─▶ the learners hosting S (FEDMQ_SITES)
+                          │
                    JobEvent ─▶ (fedmq.events, topic "job.<id>") ─▶ CLI watchers
 
 The aggregator takes control messages and updates from one queue so that a
 round's RoundOpen is always handled before its updates and its RoundClose
 after the updates the scheduler counted.
 
-On RabbitMQ:
+On RabbitMQ, nothing goes through the default exchange (write on it reaches every queue):
+each destination has a direct exchange of its own, so the broker's write permission on
+that exchange says who may send there (deploy/rabbitmq/definitions.json).
 
-    publish ──▶ default exchange ──▶ quorum queue ──(reject/limit)──▶ fedmq.dlx ──▶ fedmq.dead
+    publish(Q) ──▶ fedmq.x.<Q's last word> ──(key Q)──▶ quorum queue Q
+                   ──(reject/limit)──▶ fedmq.dlx ──▶ fedmq.dead
     publish_event ──▶ fedmq.events (topic) ──▶ one exclusive queue per subscription
-    request ──▶ queue, reply_to = this bus's exclusive reply queue
+    request ──▶ as publish, reply_to = this bus's exclusive reply queue,
+                bound to fedmq.x.reply (written only by the services that answer)
+    publish(fedmq.site.S) ──▶ fedmq.x.site ──(key fedmq.site.S)──▶ quorum queue fedmq.site.S
+    blob chunks ──▶ fedmq.x.blob ──(key = the blob queue's name)──▶ fedmq.blob.<id>
+
+Every publish carries the sender's broker user in `user_id`, which RabbitMQ checks
+against the connection's user; consumers check it against the message type
+(common/senders.py). The work queues' bindings are in the definitions; a service that
+may bind (the scheduler, or `guest` on a development broker) declares them again at
+every connect, and one that may not is refused once and goes on.
+
+A site's queue exists once a learner hosting it or the scheduler declares it; the scheduler
+binds it (it may) before its first task for that site, so a site whose learner is down keeps
+its task until the learner comes back or the round's deadline passes.
 
 fedmq.dead is bounded by count, bytes and age (FEDMQ_DEAD_LETTER_*); past a bound the
 oldest dead letters go first (drop-head), so a flood of bad messages cannot fill the broker.
@@ -41,6 +59,45 @@ DEAD_LETTERS = "fedmq.dead"
 DLX = "fedmq.dlx"
 
 QUEUES = (SCHEDULER, AGGREGATOR, TASKS, MODEL)
+SITE_PREFIX = "fedmq.site."  # one queue per site: fedmq.site.<name>
+SITE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")  # \Z: no trailing newline
+
+# The exchange in front of each work queue: who may write to it is who may send there.
+EXCHANGE_PREFIX = "fedmq.x."
+EXCHANGES = {queue: EXCHANGE_PREFIX + queue.rsplit(".", 1)[1] for queue in QUEUES}
+REPLIES = "fedmq.x.reply"  # replies to requests, keyed by the asker's reply queue
+BLOBS = "fedmq.x.blob"  # a large message's chunks, keyed by its blob queue
+SITES = "fedmq.x.site"  # every site's tasks, keyed by the site's queue
+
+
+def site_queue(site: str) -> str:
+    """The queue of one site's tasks; ValueError for a name that is not a site's."""
+    if not SITE_NAME.match(site):
+        raise ValueError(f"{site!r} is not a site name: letters, digits, '-' and '_', at most 64")
+    return SITE_PREFIX + site
+
+
+LEARNER_QUEUE = "learner--"  # a site name no job may use: a learner's own queue
+
+
+def learner_queue(learner: str) -> str:
+    """A learner's own queue (a DDP group's launch and stop), beside the sites' under fedmq.x.site."""
+    slug = re.sub(r"[^A-Za-z0-9_-]", "-", learner)[: 64 - len(LEARNER_QUEUE)]
+    return site_queue(LEARNER_QUEUE + slug)
+
+
+def is_site_queue(queue: str) -> bool:
+    return queue.startswith(SITE_PREFIX) and bool(SITE_NAME.match(queue[len(SITE_PREFIX):]))
+
+
+def exchange_for(queue: str) -> str:
+    """The exchange a message for `queue` goes through on RabbitMQ."""
+    if is_site_queue(queue):
+        return SITES
+    try:
+        return EXCHANGES[queue]
+    except KeyError:
+        raise ValueError(f"{queue} is not one of fedmq's work queues {QUEUES} nor a site's") from None
 
 
 def job_topic(job_id: str) -> str:
@@ -72,15 +129,49 @@ def declare_topology(ch: BlockingChannel, settings: Settings) -> None:
     """Exchanges and queues every service needs; idempotent, run at every (re)connect."""
     ch.exchange_declare(EVENTS, exchange_type="topic", durable=True)
     ch.exchange_declare(DLX, exchange_type="fanout", durable=True)
+    for exchange in (*EXCHANGES.values(), REPLIES, BLOBS, SITES):
+        ch.exchange_declare(exchange, exchange_type="direct", durable=True)
     ch.queue_declare(DEAD_LETTERS, durable=True, arguments=dead_letter_arguments(settings))
-    ch.queue_bind(DEAD_LETTERS, DLX)
-    arguments = {
+    for name in QUEUES:
+        ch.queue_declare(name, durable=True, arguments=work_queue_arguments(settings))
+
+
+def work_queue_arguments(settings: Settings) -> dict[str, Any]:
+    """A work queue's (and a site queue's): quorum, dead-lettered, bounded redeliveries."""
+    return {
         "x-queue-type": "quorum",
         "x-dead-letter-exchange": DLX,
         "x-delivery-limit": settings.delivery_limit,
     }
-    for name in QUEUES:
-        ch.queue_declare(name, durable=True, arguments=arguments)
+
+
+def declare_site_queue(ch: BlockingChannel, settings: Settings, queue: str, bind: bool) -> None:
+    """A site's queue, and (`bind`: the scheduler, which may) its binding to fedmq.x.site."""
+    ch.queue_declare(queue, durable=True, arguments=work_queue_arguments(settings))
+    if bind:
+        ch.queue_bind(queue, SITES, routing_key=queue)
+
+
+BINDINGS = ((DEAD_LETTERS, DLX, DEAD_LETTERS), *((queue, EXCHANGES[queue], queue) for queue in QUEUES))
+
+
+def bind_topology(ch: BlockingChannel) -> bool:
+    """Bind each queue to its exchange (queue, exchange, key); False if this user may not.
+
+    Binding needs write on the queue, which only the topology's owner holds: a service without
+    it is refused (403, which closes `ch`, a channel of its own) and relies on the bindings the
+    definitions made.
+    """
+    import pika.exceptions
+
+    try:
+        for queue, exchange, key in BINDINGS:
+            ch.queue_bind(queue, exchange, routing_key=key)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != 403:
+            raise
+        return False
+    return True
 
 
 def refused_queue_advice(reply_text: str) -> str:

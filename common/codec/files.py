@@ -50,7 +50,11 @@ def unpack_file(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BY
 
 
 def index_tensors(
-    path: str | os.PathLike[str], key: str = "weights", *, max_bytes: int = DEFAULT_MAX_BYTES
+    path: str | os.PathLike[str],
+    key: str = "weights",
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    lazy: tuple[str, ...] = (),
 ) -> TensorFile:
     """Index the str -> tensor map under `key` in a file holding one msgpack map, reading no tensor data.
 
@@ -60,17 +64,20 @@ def index_tensors(
     refused when it is accessed. Other top-level values are decoded one at a
     time and dropped. Raises DecodeError for a malformed or truncated file, a
     missing key, a value under it that is not a map of str -> tensor, or a file
-    over max_bytes; OSError from opening the file propagates.
+    over max_bytes; OSError from opening the file propagates. Tensor maps under the `lazy` keys
+    (a ClientUpdate's ``extras``) are indexed the same way, into `TensorFile.maps`, not decoded.
     """
     with open(path, "rb") as file:
         before = os.fstat(file.fileno())
         if before.st_size > max_bytes:
             raise DecodeError(f"file of {before.st_size} bytes exceeds limit of {max_bytes}")
         scanner = _MapScanner(file, before.st_size)
-        entries = scanner.tensors(key)
+        entries = scanner.tensors(key, lazy)
         if _identity(os.fstat(file.fileno())) != _identity(before):
             raise DecodeError(f"{os.fspath(path)!r} changed while it was indexed")
-    return TensorFile(path, entries, _identity(before), scanner.fields)
+    identity = _identity(before)
+    maps = {name: TensorFile(path, found, identity) for name, found in scanner.maps.items()}
+    return TensorFile(path, entries, identity, scanner.fields, maps)
 
 
 class TensorFile(Mapping[str, "torch.Tensor"]):
@@ -93,8 +100,10 @@ class TensorFile(Mapping[str, "torch.Tensor"]):
         entries: dict[str, _Entry],
         identity: tuple[int, ...],
         fields: dict[str | int, Any] | None = None,
+        maps: dict[str, TensorFile] | None = None,
     ) -> None:
         self.fields = fields or {}  # the file's other top-level values, decoded
+        self.maps = maps or {}  # the other tensor maps asked for by index_tensors(lazy=...), by key
         self._path = os.fspath(path)
         self._entries = entries
         self._identity = identity
@@ -171,10 +180,11 @@ class _MapScanner:
         self._file = file
         self._size = size
 
-    def tensors(self, key: str) -> dict[str, _Entry]:
-        """Index the map under key, checking the whole top-level map and that nothing follows it."""
+    def tensors(self, key: str, lazy: tuple[str, ...] = ()) -> dict[str, _Entry]:
+        """Index the map under key (and those under `lazy`), checking the whole top-level map."""
         found: dict[str, _Entry] | None = None
         self.fields: dict[str | int, Any] = {}
+        self.maps: dict[str, dict[str, _Entry]] = {}
         seen: set[str | int] = set()
         base, unpacker = 0, self._unpacker(0)
         try:
@@ -187,6 +197,9 @@ class _MapScanner:
                 seen.add(name)
                 if name == key:
                     found, base = self._tensor_map(base + unpacker.tell(), key)
+                    unpacker = self._unpacker(base)
+                elif name in lazy:
+                    self.maps[str(name)], base = self._tensor_map(base + unpacker.tell(), str(name))
                     unpacker = self._unpacker(base)
                 else:
                     value = unpacker.unpack()

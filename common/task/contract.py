@@ -5,6 +5,7 @@ A Task is one class. fedmq builds it from the job spec (``task: "pkg.module:Name
 
     aggregator   build_model, load_server_data, evaluate      (never load_data)
     learner      build_model, load_data (only the clients it serves), train or loss, evaluate
+    CLI          check_job (optional), before the job is run or submitted
 
     class Regression(fedmq.Task):
         def build_model(self) -> nn.Module: ...                     # no data needed
@@ -25,7 +26,12 @@ Rules that keep runs reproducible and safe:
   derive randomness from the context (`ctx.seed`, `ctx.generator`, `ctx.rng(...)`), never from
   global state. fedmq seeds torch's global RNG around each call (model init, dropout).
 - `build_model` must give the same architecture every time; fedmq seeds its initial weights.
-- `train` trains the model it is given in place and must not replace its parameters.
+- `train` trains the model it is given in place and must not replace its parameters; it must
+  leave them finite (NaN or infinity fails the job, naming the client and round).
+- fedmq puts the model in training mode (`model.train()`) before `train` or the loop over
+  `loss`, and in evaluation mode (`model.eval()`) before `evaluate`.
+- A learner keeps what `load_data` returns and reuses it in later rounds (a bounded cache):
+  keep no random state in it (a DataLoader's own generator); shuffle with `ctx.generator`.
 - Metrics are plain floats with names matching ``[A-Za-z_][A-Za-z0-9_.]*``.
 """
 
@@ -88,7 +94,14 @@ class TrainContext:
     device: torch.device
     generator: torch.Generator  # CPU, seeded for (seed, round, client): shuffle and sample with it
     global_weights: Mapping[str, torch.Tensor]  # the round's global model (read-only), e.g. for FedProx
-    config: Mapping[str, Any] = field(default_factory=dict)  # what the strategy sends this round
+    # What the strategy sends this round (Strategy.configure). FedProx's "proximal_mu": fedmq's loop
+    # adds mu/2·||w − w_global||²; a Task's own train adds it itself from ctx.global_weights.
+    # SCAFFOLD's "scaffold": fedmq's loop corrects each gradient by the controls in client_state and
+    # returns their deltas as extras; a Task's own train uses fedmq.Controls.
+    config: Mapping[str, Any] = field(default_factory=dict)
+    # The strategy's stored tensors for this client (control variates, residuals); {} unless the
+    # strategy keeps per-client state, and on the client's first round.
+    client_state: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -126,10 +139,15 @@ class ClientData:
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a Task's own `train` returns: how many examples it trained on, and metrics."""
+    """What a Task's own `train` returns: how many examples it trained on, metrics, and extras.
+
+    `extras` are tensors sent to the strategy beside the weights (`ClientResult.load_extras()`):
+    a control-variate delta, a compressed payload, a count.
+    """
 
     num_examples: int
     metrics: Mapping[str, float] = field(default_factory=dict)
+    extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -184,6 +202,14 @@ class Task:
 
         `ctx.client` is -1 here: it is no client's data.
         """
+        return None
+
+    def check_job(self, ctx: DataContext) -> None:
+        """Refuse a job this Task cannot run (more clients than samples): raise ValueError saying
+        what to change. `fedmq run` and `fedmq submit` call it before the job starts or is
+        published, with `ctx.client` -1 and no `data_dir` (it runs where the job is submitted, which
+        has none of the learners' data): keep it to what is cheap and known there. Accepts
+        everything by default."""
         return None
 
     def export(self, model: nn.Module, ctx: ExportContext) -> None:

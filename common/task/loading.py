@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from fedmq.common.allowlist import AllowList, active, allowing
 from fedmq.common.errors import ConfigError
 from fedmq.common.task.contract import Task
 
@@ -20,47 +21,70 @@ BUILTIN: Mapping[str, str] = {
 }
 
 
-def task_class(ref: str) -> type[Task]:
-    """The Task class a spec names; ConfigError saying why it cannot be had."""
-    target = import_ref(BUILTIN.get(ref, ref), what="task")
+def task_class(ref: str, allowed: AllowList | None = None) -> type[Task]:
+    """The Task class a spec names, from an allowed module; ConfigError saying why it cannot be had."""
+    target = import_ref(BUILTIN.get(ref, ref), what="task", allowed=allowed)
     if not (isinstance(target, type) and issubclass(target, Task)):
         raise ConfigError(f"task {ref!r} is a {type(target).__name__}, not a subclass of fedmq.Task")
     return target
 
 
-def make_task(ref: str, options: Mapping[str, Any]) -> Task:
-    """Instantiate the Task with the spec's options; bad options are a ConfigError naming them."""
-    cls = task_class(ref)
-    try:
-        return cls(**dict(options))
-    except ConfigError:
-        raise
-    except Exception as exc:
-        detail = _option_errors(exc, options) or f"{type(exc).__name__}: {exc}"
-        raise ConfigError(f"task {ref!r}: its options are invalid:\n{detail}") from None
+def make_task(ref: str, options: Mapping[str, Any], allowed: AllowList | None = None) -> Task:
+    """Instantiate the Task with the spec's options; bad options are a ConfigError naming them.
+
+    `allowed` (default: the list in force, see allowlist.active) also governs what the Task's
+    constructor imports by name in turn (a Mini-Ray trainer).
+    """
+    with allowing(allowed or active()):
+        cls = task_class(ref)
+        try:
+            return cls(**dict(options))
+        except ConfigError:
+            raise
+        except Exception as exc:
+            detail = _option_errors(exc, options) or f"{type(exc).__name__}: {exc}"
+            raise ConfigError(f"task {ref!r}: its options are invalid:\n{detail}") from None
 
 
-def complete_spec(spec: JobSpec) -> JobSpec:
-    """Check the spec's Task can be had with its options, and fill in the Task's default objective.
+def complete_spec(spec: JobSpec, allowed: AllowList | None = None) -> JobSpec:
+    """Check the spec's Task and strategy can be had with their options, and fill in the Task's
+    default objective.
 
     What the CLI and the Python API do before a job is published: a bad option fails here,
     in the user's terminal, not minutes later in a service.
     """
-    task = make_task(spec.task.name, spec.task.options)
-    if spec.objective is None and task.objective is not None:
+    from fedmq.common.strategy.loading import check_strategy
+
+    if spec.ddp is not None:  # no Task nor strategy: its entry is checked against the allow-list
+        from fedmq.common.coderefs import check_code
+
+        check_code(spec, allowed or active())
+        return spec
+    with allowing(allowed or active()):
+        task = make_task(spec.task.name, spec.task.options)
+        check_strategy(spec)  # its options, and whether they can work with the rest of the job
+    if spec.objective is None and task.objective is not None and spec.measures(task.objective.metric):
         objective = {"metric": task.objective.metric, "mode": task.objective.mode}
         return type(spec).model_validate({**spec.model_dump(mode="json"), "objective": objective})
     return spec
 
 
-def import_ref(ref: str, what: str) -> Any:
-    """Import `package.module:attr` (attr may be dotted) and return it; ConfigError on failure."""
+def import_ref(ref: str, what: str, allowed: AllowList | None = None) -> Any:
+    """Import `package.module:attr` (attr may be dotted) and return it; ConfigError on failure.
+
+    The module must be allowed (`allowed`, else the list in force) before it is imported, and
+    what is found must be defined in an allowed module too (not one an allowed module imported).
+    """
     module_name, sep, attr_path = ref.partition(":")
     if not sep or not module_name or not attr_path:
         raise ConfigError(
             f"{what} {ref!r} must be a built-in name ({', '.join(sorted(BUILTIN))}) "
             "or look like 'package.module:Name'"
         )
+    allowed = allowed or active()
+    allowed.check(module_name, what, ref)
+    if any(part.startswith("__") for part in attr_path.split(".")):
+        raise ConfigError(f"{what} {ref!r}: name a class, not a dunder attribute")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -82,6 +106,9 @@ def import_ref(ref: str, what: str) -> Any:
             raise ConfigError(
                 f"{what} {ref!r}: module {module_name!r} has no attribute {attr_path!r}"
             ) from None
+    defined_in = getattr(target, "__module__", None)
+    if isinstance(target, type) and isinstance(defined_in, str) and defined_in != module_name:
+        allowed.check(defined_in, what, f"{defined_in}:{getattr(target, '__qualname__', attr_path)}")
     return target
 
 

@@ -5,7 +5,7 @@
         for batch in order's batches:
             loss[, metrics] = task.loss(model, batch)
             (+ mu/2 * ||w - w_global||^2 when the strategy asks for a proximal term)
-            backward, optimizer step
+            backward, (+ c - c_i on every gradient when the strategy is SCAFFOLD), optimizer step
 
 Metrics are accumulated on the device and read once at the end (no host sync per step):
 the last epoch's example-weighted means of the loss and of every metric `loss` returns.
@@ -19,13 +19,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fedmq.common.strategy.contract import PROXIMAL_MU
 from fedmq.common.task.batches import Source, batch_size_of, source, to_device
 from fedmq.common.task.contract import EvalContext, EvalResult, TrainContext, TrainResult, TrainSettings
+from fedmq.common.task.scaffold import Controls
 
 if TYPE_CHECKING:
     from fedmq.common.task.contract import Task
 
-PROXIMAL_MU = "proximal_mu"  # a strategy's round config key: FedProx's mu
+__all__ = ["PROXIMAL_MU", "evaluate_with_loss", "train_with_loss"]
 
 
 class LossError(TypeError):
@@ -49,6 +51,7 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
     optimizer = make_optimizer(model, settings)
     mu = float(ctx.config.get(PROXIMAL_MU, 0.0))
     anchors = _anchors(model, ctx.global_weights, ctx.device) if mu > 0 else []
+    controls = Controls.for_round(model, ctx)
     steps, sums, seen = 0, _Sums(ctx.device), 0
     for _ in range(settings.epochs):
         sums, seen = _Sums(ctx.device), 0
@@ -59,13 +62,15 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
             loss, metrics = split_loss(task.loss(model, batch))  # type: ignore[attr-defined]
             total = loss + mu / 2 * sum((p - a).pow(2).sum() for p, a in anchors) if anchors else loss
             total.backward()
+            if controls is not None:
+                controls.correct()
             optimizer.step()
             sums.add(loss, metrics, size)
             seen += size
             steps += 1
             if settings.max_steps is not None and steps >= settings.max_steps:
-                return TrainResult(seen, sums.means(seen))
-    return TrainResult(seen, sums.means(seen))
+                return _result(seen, sums, controls)
+    return _result(seen, sums, controls)
 
 
 @torch.no_grad()
@@ -81,6 +86,11 @@ def evaluate_with_loss(task: Task, model: nn.Module, data: Any, ctx: EvalContext
         sums.add(loss, metrics, size)
         seen += size
     return EvalResult(seen, sums.means(seen))
+
+
+def _result(seen: int, sums: _Sums, controls: Controls | None) -> TrainResult:
+    """The round's result, with SCAFFOLD's control deltas as extras when it ran."""
+    return TrainResult(seen, sums.means(seen), controls.extras() if controls and controls.steps else {})
 
 
 def on_device(src: Source, device: torch.device) -> Source:

@@ -1,11 +1,13 @@
 """Metrics as data: names, checks, and how per-client values combine into one. Pure, no torch.
 
-A round's metrics come from four sources and travel as {source: {name: value}}:
+A round's metrics come from five sources and travel as {source: {name: value}}:
 
     train      what clients' training reported, combined over the round's clients
     federated  what sampled clients' evaluation of the global model reported, combined
     server     the aggregator's evaluation of the global model on the Task's server data
     strategy   what the strategy reports about its own work (norms, clipped counts, epsilon)
+    transport  what the round's messages cost on the wire (update_bytes: the updates as received;
+               state_bytes: the client state they carried, topk's residual, within update_bytes)
 
 Combining is example-weighted by default; a Task names other rules per metric
 (`Task.metric_reduction`): sum, min, max, or geometric (an example-weighted geometric mean,
@@ -21,7 +23,7 @@ from typing import Any, get_args
 
 from fedmq.common.task.contract import Reduction
 
-SOURCES = ("train", "federated", "server", "strategy")
+SOURCES = ("train", "federated", "server", "strategy", "transport")
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
 MAX_NAMES = 32  # per source and job: Prometheus label values stay bounded
 REDUCTIONS: frozenset[str] = frozenset(get_args(Reduction))

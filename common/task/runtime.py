@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fedmq.common.seeding import derive_seed
+from fedmq.common.strategy.checks import check_tensor_map
 from fedmq.common.task.contract import (
     ClientData,
     DataContext,
@@ -41,6 +42,7 @@ from fedmq.common.task.metrics import check_metrics, check_rules
 from fedmq.common.usercode import user_code
 
 if TYPE_CHECKING:
+    from fedmq.common.allowlist import AllowList
     from fedmq.common.jobspec import JobSpec
 
 # torch's global RNG is one per process: model building and data loading take turns (module docstring).
@@ -55,10 +57,11 @@ class TaskRuntime:
     task: Task
 
     @classmethod
-    def for_job(cls, spec: JobSpec) -> TaskRuntime:
+    def for_job(cls, spec: JobSpec, allowed: AllowList | None = None) -> TaskRuntime:
+        """The job's Task, from a module `allowed` lets it import (default: the list in force)."""
         from fedmq.common.task.loading import make_task
 
-        runtime = cls(spec, make_task(spec.task.name, spec.task.options))
+        runtime = cls(spec, make_task(spec.task.name, spec.task.options, allowed))
         with user_code("metric_reduction"):
             check_rules(runtime.task.metric_reduction)
         return runtime
@@ -77,8 +80,10 @@ class TaskRuntime:
         return model
 
     def data_context(self, client: int, data_dir: Path | None) -> DataContext:
+        site = self.spec.clients.site(client) if client >= 0 else None
         return DataContext(
-            client=client, num_clients=self.spec.clients.total, seed=self.spec.seed, data_dir=data_dir
+            client=client, num_clients=self.spec.clients.total, seed=self.spec.seed, data_dir=data_dir,
+            site=site,
         )
 
     def load_data(self, client: int, data_dir: Path | None) -> ClientData:
@@ -102,6 +107,7 @@ class TaskRuntime:
         """Train `model` in place on one client, with the Task's own `train` or fedmq's loop."""
         before = _shapes(model)
         method = "train" if has_train(self.task) else "loss"
+        model.train()  # whatever mode the last call left it in: the same in every process
         with (
             torch.random.fork_rng(devices=_cuda(ctx.device)),
             user_code(method, client=ctx.client, round=ctx.round),
@@ -120,10 +126,18 @@ class TaskRuntime:
                 raise TypeError(f"num_examples must be a non-negative int, got {result.num_examples!r}")
             if _shapes(model) != before:
                 raise TypeError("the model's tensors changed names, shapes or dtypes during training")
-        return TrainResult(result.num_examples, metrics)
+            bad = _non_finite(model)
+            if bad:
+                raise FloatingPointError(
+                    f"training left NaN or infinite values in {', '.join(bad[:5])}: the model diverged "
+                    "(a lower learning rate, gradient clipping or a check of the data may help)"
+                )
+            extras = check_tensor_map(result.extras, "TrainResult.extras")
+        return TrainResult(result.num_examples, metrics, {k: v.detach().cpu() for k, v in extras.items()})
 
     def evaluate(self, model: nn.Module, data: Any, ctx: EvalContext) -> EvalResult:
         """Metrics of `model` on `data`, checked; the example count is len(data) unless given."""
+        model.eval()  # as for training: the mode never depends on which call came before
         with (
             torch.random.fork_rng(devices=_cuda(ctx.device)),
             user_code("evaluate", client=ctx.client, round=ctx.round),
@@ -146,6 +160,15 @@ class TaskRuntime:
 
 def _shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def _non_finite(model: nn.Module) -> list[str]:
+    """Names of the model's floating-point tensors holding NaN or infinity (one host sync)."""
+    floats = [(k, v) for k, v in model.state_dict().items() if v.is_floating_point() and v.numel()]
+    if not floats:
+        return []
+    finite = torch.stack([torch.isfinite(v).all() for _, v in floats]).cpu().tolist()
+    return [name for (name, _), ok in zip(floats, finite, strict=True) if not ok]
 
 
 def _cuda(device: torch.device) -> list[int]:

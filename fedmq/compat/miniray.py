@@ -25,6 +25,9 @@ trainer class (its constructor arguments are recorded), so its optimizer state l
 the same on every learner, and after any crash. Optional: define `evaluate(self, worker)` on the
 trainer to report metrics of the synced weights (it runs where the aggregator runs).
 Keyword arguments of `train()` reach `create_worker` and `load_data_shard`, as in seed 002.
+Hooks follow syncs, not single epochs: with `sync_interval` > 1, `on_epoch_start` gets the
+round's first epoch and `on_epoch_end` its last, with that epoch's numeric results averaged over
+the workers (earlier epochs of the round are not reported); the history has one entry per sync.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 from torch import nn
 
 import fedmq
+from fedmq.common.errors import ConfigError
 from fedmq.common.task.loading import import_ref, ref_of
 
 STRATEGIES = {"average": "average", "weighted": "weighted", "momentum": "moving_average"}
@@ -125,11 +129,12 @@ class DataParallelTrainer:
     def job(self, epochs: int, **kwargs: Any) -> fedmq.Job:
         """The fedmq job `train(epochs, **kwargs)` runs."""
         args, init = self._init
-        strategy: dict[str, Any] = {"name": STRATEGIES[self.sync_strategy]}
+        strategy_options: dict[str, Any] = {}
         if self.sync_strategy == "weighted":
-            strategy["weights"] = [self.worker_weights.get(i, 1.0) for i in range(self.num_workers)]
+            strategy_options["weights"] = [self.worker_weights.get(i, 1.0) for i in range(self.num_workers)]
         if self.sync_strategy == "momentum":
-            strategy["momentum"] = float(self.strategy_kwargs.get("momentum", 0.9))
+            strategy_options["momentum"] = float(self.strategy_kwargs.get("momentum", 0.9))
+        strategy = {"name": STRATEGIES[self.sync_strategy], "options": strategy_options}
         options = {
             "trainer": ref_of(type(self)),
             "args": list(args),
@@ -198,7 +203,11 @@ class WorkerTask(fedmq.Task):
         sync_interval: int,
         epochs: int,
     ) -> None:
-        cls = import_ref(trainer, what="trainer")
+        cls = import_ref(trainer, what="trainer")  # checked against the allow-list in force
+        if not (isinstance(cls, type) and issubclass(cls, DataParallelTrainer)):
+            raise ConfigError(
+                f"trainer {trainer!r} is a {type(cls).__name__}, not a subclass of DataParallelTrainer"
+            )
         self.trainer: DataParallelTrainer = cls(*args, **init)
         self.kwargs, self.sync_interval, self.epochs = kwargs, sync_interval, epochs
 

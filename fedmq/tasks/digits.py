@@ -75,6 +75,11 @@ class Digits(fedmq.Task):
             val=(torch.from_numpy(x[val]), torch.from_numpy(y[val])),
         )
 
+    def check_job(self, ctx: fedmq.DataContext) -> None:
+        """The partition learners will compute, computed here: more clients than training images,
+        or more shards than images, is refused before the job runs (the same ConfigError)."""
+        _parts(self.options.test_fraction, self.options.partition, ctx.seed, ctx.num_clients)
+
     def load_server_data(self, ctx: fedmq.DataContext) -> tuple[torch.Tensor, torch.Tensor]:
         x, y, test = _standardised(self.options.test_fraction, ctx.seed)
         return torch.from_numpy(x[test]), torch.from_numpy(y[test])

@@ -9,11 +9,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedmq.common.allowlist import AllowList
+from fedmq.common.coderefs import check_code
 from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import RoundClosed, UserError
+from fedmq.common.strategy.clients import ClientStore
+from fedmq.common.strategy.contract import Strategy
+from fedmq.common.strategy.loading import check_strategy, make_strategy
 from fedmq.common.task.runtime import TaskRuntime
-from fedmq.services.aggregator.store import JobStore
-from fedmq.services.aggregator.strategies import Strategy, build_strategy
+from fedmq.common.usercode import user_code
+from fedmq.services.aggregator.limits import DiskQuota
+from fedmq.services.aggregator.store import JobStore, weights_digest
 
 
 @dataclass
@@ -26,7 +32,8 @@ class AggJob:
     runtime: TaskRuntime
     model: nn.Module
     weights: dict[str, torch.Tensor]
-    digest: str
+    digest: str  # the global weights' digest: what learners ask for
+    checkpoint: str = ""  # the committed round's checkpoint key (weights and strategy state)
     round: int = 0
     open_round: int | None = None
     expected: set[int] = field(default_factory=set)
@@ -34,10 +41,24 @@ class AggJob:
     server_data: Any = None  # the Task's server evaluation data, loaded on first use
     server_data_loaded: bool = False
     failed: UserError | None = None  # its user code raised: the job is over
+    # Each client's example count as first accepted: no later update of it may claim more.
+    examples: dict[int, int] = field(default_factory=dict)
+    disk: DiskQuota | None = None  # its state's disk against FEDMQ_JOB_DISK_BYTES (set by the service)
+    stopped: str | None = None  # it passed a limit (limits.OverLimit): the job is over, for this reason
 
     @property
     def job_id(self) -> str:
         return self.store.job_id
+
+    @property
+    def clients(self) -> ClientStore:
+        """The strategy's per-client state, on disk beside the job's checkpoints."""
+        return ClientStore(self.store.root / "clients")
+
+    @property
+    def residuals(self) -> ClientStore:
+        """Each client's topk error-feedback residual (compression), kept apart from the strategy's state."""
+        return ClientStore(self.store.root / "residuals")
 
 
 def views(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -45,9 +66,15 @@ def views(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def new_job(root: Path, job_id: str, spec: JobSpec) -> AggJob:
-    """A new job with its initial model built from the spec; nothing is on disk until round 0 commits."""
-    return _assemble(spec, JobStore(root, job_id))
+def new_job(root: Path, job_id: str, spec: JobSpec, allowed: AllowList) -> AggJob:
+    """A new job with its initial model built from the spec; nothing is on disk until round 0 commits.
+
+    Its Task and strategy come only from modules `allowed` lets in (CodeNotAllowed, before importing),
+    and its strategy checks the job first (a job published without fedmq's CLI or API is refused here).
+    """
+    check_code(spec, allowed)  # every name first, before check_strategy imports anything
+    check_strategy(spec, allowed)
+    return _assemble(spec, JobStore(root, job_id), allowed)
 
 
 def stored_jobs(root: Path) -> list[str]:
@@ -61,18 +88,20 @@ def stored_jobs(root: Path) -> list[str]:
     ]
 
 
-def restore_job(root: Path, job_id: str) -> AggJob:
+def restore_job(root: Path, job_id: str, allowed: AllowList) -> AggJob:
     """A stored job rebuilt from its spec, latest committed checkpoint and round records."""
     store = JobStore(root, job_id)
     spec_json = store.load_spec()
     assert spec_json is not None
-    job = _assemble(JobSpec.model_validate_json(spec_json), store)
+    job = _assemble(JobSpec.model_validate_json(spec_json), store, allowed)
     latest = max(store.rounds())
-    job.digest, job.round = store.rounds()[latest], latest
+    job.checkpoint, job.round = store.rounds()[latest], latest
+    job.digest = weights_digest(job.checkpoint)
     rewind(job)
     opened = store.load_json("open")
     if opened is not None and opened["round"] == latest + 1:
         job.open_round, job.expected = opened["round"], set(opened["clients"])
+    job.examples = {int(c): int(n) for c, n in (store.load_json("examples") or {}).items()}
     closed = store.load_json("closed")
     if closed is not None and closed["round"] == latest:
         job.last_closed = RoundClosed.model_validate(closed)
@@ -81,20 +110,22 @@ def restore_job(root: Path, job_id: str) -> AggJob:
 
 def rewind(job: AggJob) -> None:
     """Back to the weights and strategy state of the job's last committed round (after a failed close)."""
-    weights, extra = job.store.load_checkpoint(job.digest)
+    weights, extra = job.store.load_checkpoint(job.checkpoint)
     job.model.load_state_dict(weights)
-    job.strategy.load_state(extra)
+    with user_code("strategy.load_state", round=job.round):
+        job.strategy.load_state(extra)
     job.weights = views(job.model)
 
 
-def _assemble(spec: JobSpec, store: JobStore) -> AggJob:
+def _assemble(spec: JobSpec, store: JobStore, allowed: AllowList) -> AggJob:
     """A job's Task, model and strategy as built from its spec (initial weights); no training data."""
-    runtime = TaskRuntime.for_job(spec)
+    check_code(spec, allowed)  # every name first, before the Task's module runs
+    runtime = TaskRuntime.for_job(spec, allowed)
     model = runtime.build_model()
     return AggJob(
         spec=spec,
         store=store,
-        strategy=build_strategy(spec),
+        strategy=make_strategy(spec.strategy, allowed),
         runtime=runtime,
         model=model,
         weights=views(model),

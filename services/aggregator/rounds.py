@@ -1,16 +1,20 @@
 """A round's new global model: aggregated, evaluated, then committed in an order that survives a crash.
 
-    aggregate ─▶ into the model ─▶ evaluate (the Task's server data) ─▶ checkpoint ─▶ [final model,
-              the Task's export] ─▶ closed.json ─▶ rounds.json (the commit: a restart resumes from
-              the last round it names)
+    strategy.aggregate ─▶ per-client and shared state (ClientStore; topk residuals in their own) ─▶
+        into the model ─▶ evaluate (the Task's server data) ─▶ checkpoint (weights +
+        strategy.state(), keyed by both) ─▶ [final model, the Task's export]
+        ─▶ strategy.configure(next round) ─▶ closed.json ─▶ rounds.json (the commit: a restart
+        resumes from the last round it names) ─▶ older per-client state pruned
 
 Anything that fails before the commit leaves the job's committed state as it was; the caller
-puts the in-memory model back to it (jobs.rewind) before it tries again or gives up.
+puts the in-memory model back to it (jobs.rewind) before it tries again or gives up. Every
+call into the strategy is user code: what it raises fails the job, naming the phase.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,13 +22,29 @@ from pathlib import Path
 import torch
 
 from fedmq.common.checkpoint import save_model
+from fedmq.common.codec.updates import RestoredWeights, Without, check_no_prefix, residual_entries
 from fedmq.common.jobspec import canonical_json
-from fedmq.common.messages import RoundClosed
-from fedmq.common.task.metrics import reduce_metrics
+from fedmq.common.messages import FailedClient, RoundClosed
+from fedmq.common.strategy.checks import check_config, check_finite, check_tensor_map
+from fedmq.common.strategy.clients import ClientStore
+from fedmq.common.strategy.contract import (
+    CLIENT_STATE,
+    Aggregate,
+    ClientFailed,
+    ClientResult,
+    ClientState,
+    Config,
+    RoundContext,
+    Strategy,
+    made,
+)
+from fedmq.common.task.metrics import check_metrics, reduce_metrics
+from fedmq.common.usercode import user_code
 from fedmq.services.aggregator.evaluation import evaluate_on_server
 from fedmq.services.aggregator.jobs import AggJob, views
-from fedmq.services.aggregator.store import JobStore
-from fedmq.services.aggregator.strategies import ClientResult
+from fedmq.services.aggregator.kernels.private import delta_norm
+from fedmq.services.aggregator.store import JobStore, weights_digest
+from fedmq.services.aggregator.strategies.clipped import ClippedWeights
 
 
 def initial_round(job: AggJob, data_dir: Path | None) -> RoundClosed:
@@ -33,32 +53,180 @@ def initial_round(job: AggJob, data_dir: Path | None) -> RoundClosed:
     return commit(job, RoundClosed(job_id=job.job_id, round=0, model_digest=""), data_dir)
 
 
-def close_round(job: AggJob, server_round: int, clients: list[int], data_dir: Path | None) -> RoundClosed:
+def close_round(
+    job: AggJob, server_round: int, clients: list[int], failed: list[FailedClient], data_dir: Path | None
+) -> RoundClosed:
     """Fold the clients' stored updates into the job's model with its strategy, then commit it."""
     started = time.perf_counter()
-    results = client_results(job.store, server_round, clients)
-    new = job.strategy.aggregate(server_round, job.weights, results)
-    job.model.load_state_dict(new)  # copies into the parameters, dtypes kept
-    del new
+    clip = job.spec.clients.max_update_norm if job.spec.clients.on_large_update == "clip" else None
+    results = client_results(job.store, server_round, clients, job.weights, clip)
+    failures = [ClientFailed(f.client, f.reason, f.phase) for f in sorted(failed, key=lambda f: f.client)]
+    ctx = round_context(job, server_round, tuple(r.client for r in results))
+    job.clients.discard_from(server_round)  # an earlier attempt's, never committed
+    job.residuals.discard_from(server_round)
+    versions = tensor_versions(job.weights)
+    with user_code("strategy.aggregate", round=server_round):
+        out = job.strategy.aggregate(ctx, job.weights, results, failures)
+        if not isinstance(out, Aggregate):
+            raise TypeError(f"aggregate() returned a {type(out).__name__}, expected fedmq.Aggregate")
+        check_untouched(job.weights, versions)
+        strategy_metrics = check_metrics(out.metrics, "strategy metrics")
+        check_finite(out.weights, "weights")
+        shared = check_tensor_map(out.shared_state, "shared_state")
+        check_no_prefix(shared, "shared_state")
+        check_finite(shared, "shared_state")
+        check_sent(job.strategy, out.client_state, shared)
+    # Before the new weights go into the model: a lazy client state may still read `current`.
+    states = write_client_states(job.clients, server_round, out.client_state, shared)
+    if shared:
+        job.clients.write_shared(server_round, shared)
+    with user_code("strategy.aggregate", round=server_round):
+        job.model.load_state_dict(out.weights)  # copies into the parameters, dtypes kept
+    residuals, state_bytes = write_residuals(job, server_round, [r.client for r in results])
+    del out
     job.weights = views(job.model)
-    return commit(job, RoundClosed(
+    metrics = {"train": train_metrics(results, job.runtime.reductions)}
+    if strategy_metrics:
+        metrics["strategy"] = strategy_metrics
+    metrics["transport"] = {
+        "update_bytes": float(sum(job.store.update_size(server_round, r.client) for r in results)),
+        "state_bytes": float(state_bytes),
+    }
+    examples = {r.client: r.num_examples for r in results} | job.examples  # a first count stays
+    job.store.save_json("examples", {str(c): n for c, n in sorted(examples.items())})
+    closed = commit(job, RoundClosed(
         job_id=job.job_id,
         round=server_round,
         model_digest="",
         clients=[r.client for r in results],
         num_examples=sum(r.num_examples for r in results),
-        metrics={"train": train_metrics(results, job.runtime.reductions)},
+        metrics=metrics,
         aggregate_seconds=time.perf_counter() - started,
     ), data_dir)
+    job.examples = examples
+    job.clients.prune(server_round, states)
+    job.residuals.prune(server_round, residuals)
+    return closed
+
+
+def tensor_versions(weights: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Each tensor's version counter: torch bumps it on every in-place edit (views share it)."""
+    return {name: t._version for name, t in weights.items()}
+
+
+def check_untouched(weights: Mapping[str, torch.Tensor], versions: Mapping[str, int]) -> None:
+    """ValueError when the strategy edited `current` (the live global model) in place."""
+    edited = sorted(name for name, t in weights.items() if t._version != versions.get(name))
+    if edited:
+        raise ValueError(
+            f"aggregate() edited `current` in place ({', '.join(edited[:3])}): it is the live global "
+            "model, read-only; build new tensors (current[k] + step, current[k].clone())"
+        )
+
+
+def check_sent(
+    strategy: Strategy, client_state: Mapping[int, ClientState], shared: Mapping[str, object]
+) -> None:
+    """ValueError when a strategy returns state for learners without saying it sends any."""
+    if strategy.sends_client_state or not (len(client_state) or shared):
+        return
+    what = "client_state" if len(client_state) else "shared_state"
+    raise ValueError(
+        f"aggregate() returned {what}, but {type(strategy).__name__}.sends_client_state is False, so "
+        "learners would never receive it: set `sends_client_state = True` on the class"
+    )
+
+
+def write_client_states(
+    store: ClientStore, server_round: int, client_state: Mapping[int, ClientState],
+    shared: Mapping[str, torch.Tensor],
+) -> list[int]:
+    """Each client's new state made (a lazy one called), checked and written in client order, one
+    client at a time: never all of them in memory. Returns the clients written."""
+    with user_code("strategy.aggregate", round=server_round):
+        if not isinstance(client_state, Mapping):
+            kind = type(client_state).__name__
+            raise TypeError(f"client_state must be a dict of client -> state, got a {kind}")
+        clients = sorted({_client_id(c): c for c in client_state}.items())
+    for client, key in clients:
+        with user_code("strategy.aggregate", round=server_round, client=client):
+            state = check_client_state(client, made(client_state[key]), shared)
+        store.write(server_round, client, state)
+        del state
+    return [client for client, _ in clients]
+
+
+def check_client_state(
+    client: int, raw: object, shared: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """One client's state checked: a tensor map in names of its own, none of them shared_state's."""
+    state = check_tensor_map(raw, f"client_state[{client}]")
+    check_no_prefix(state, f"client_state[{client}]")
+    check_finite(state, f"client_state[{client}]")
+    clash = sorted(set(state) & set(shared))
+    if clash:
+        raise ValueError(f"client_state[{client}] and shared_state both name {clash[:3]}: rename one")
+    return state
+
+
+def _client_id(key: object) -> int:
+    try:
+        if isinstance(key, bool):
+            raise TypeError
+        return operator.index(key)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"client_state is keyed by client id (an int), got {key!r}") from None
+
+
+def write_residuals(job: AggJob, server_round: int, clients: list[int]) -> tuple[list[int], int]:
+    """Keep the topk residual each client's update carried (compression), for its next round, as it
+    came; return the clients and the residuals' tensor bytes (the client state the updates carried)."""
+    if not job.spec.compression.keeps_residual:
+        return [], 0
+    size = 0
+    for client in clients:
+        stored = job.store.read_update(server_round, client)
+        extras: Mapping[str, torch.Tensor] = stored.maps.get("extras", {})
+        entries = residual_entries(extras)
+        job.residuals.write(server_round, client, entries)
+        size += sum(t.numel() * t.element_size() for t in entries.values())
+    return clients, size
+
+
+def round_context(job: AggJob, server_round: int, clients: tuple[int, ...] = ()) -> RoundContext:
+    """What the strategy sees of a round: the job's numbers, and each client's stored state before it."""
+    store = job.clients
+    return RoundContext(
+        round=server_round, rounds=job.spec.rounds, seed=job.spec.seed,
+        num_clients=job.spec.clients.total, clients=clients,
+        reader=functools.partial(_state_before, store, server_round),
+    )
+
+
+def next_config(job: AggJob, server_round: int) -> Config:
+    """The config of the round after `server_round` ({} after the last): the strategy's, checked."""
+    if server_round >= job.spec.rounds:
+        return {}
+    with user_code("strategy.configure", round=server_round + 1):
+        config = check_config(job.strategy.configure(round_context(job, server_round + 1)))
+    if job.strategy.sends_client_state or job.spec.compression.keeps_residual:
+        config[CLIENT_STATE] = True  # the learner fetches the client's state (and topk residual)
+    return config
 
 
 def commit(job: AggJob, closed: RoundClosed, data_dir: Path | None) -> RoundClosed:
     """Evaluate the job's model, store it, and make it the round's: the RoundClosed to announce."""
+    with user_code("strategy.state", round=closed.round):
+        state = check_tensor_map(job.strategy.state(), "state()")
+    # A state gone NaN is what the round's aggregate did to it (round 0: the strategy as built).
+    with user_code("strategy.aggregate" if closed.round else "strategy.state", round=closed.round):
+        check_finite(state, "state()")
     metrics = dict(closed.metrics)
     server = evaluate_on_server(job, closed.round, data_dir)
     if server is not None:
         metrics["server"] = server
-    digest = job.store.write_checkpoint(closed.round, job.weights, job.strategy.state())
+    key = job.store.write_checkpoint(closed.round, job.weights, state)
+    digest = weights_digest(key)  # what learners fetch the model by
     update: dict[str, object] = {"model_digest": digest, "metrics": metrics}
     if closed.round == job.spec.rounds:
         path = save_model(
@@ -67,10 +235,11 @@ def commit(job: AggJob, closed: RoundClosed, data_dir: Path | None) -> RoundClos
         )
         update["model_path"] = str(path)
         job.runtime.export(job.model, job.store.root / "artifacts", closed.round)
+    update["config"] = next_config(job, closed.round)
     closed = closed.model_copy(update=update)
     job.store.save_json("closed", closed.model_dump())  # before the commit: a restart re-sends it
-    job.store.commit_round(closed.round, digest)
-    job.digest, job.round, job.last_closed = digest, closed.round, closed
+    job.store.commit_round(closed.round, key)
+    job.digest, job.checkpoint, job.round, job.last_closed = digest, key, closed.round, closed
     job.open_round, job.expected = None, set()
     return closed
 
@@ -80,17 +249,35 @@ def train_metrics(results: list[ClientResult], rules: dict[str, str]) -> dict[st
     return reduce_metrics([(r.num_examples, r.metrics) for r in results], rules)
 
 
-def client_results(store: JobStore, server_round: int, clients: list[int]) -> list[ClientResult]:
-    """The round's stored updates for `clients`, in client order, weights read lazily from disk."""
+def client_results(
+    store: JobStore, server_round: int, clients: list[int], current: Mapping[str, torch.Tensor],
+    clip: float | None = None,
+) -> list[ClientResult]:
+    """The round's stored updates for `clients`, in client order, weights read lazily from disk.
+
+    A compressed update's weights are `current` (the round's global weights) plus its decoded
+    delta, one tensor per lookup; a strategy never sees the compression, nor topk's residual.
+    With `clip` (clients.max_update_norm, on_large_update: clip), an update further than that from
+    `current` comes with its delta scaled down to it, as the `clipped` strategy would.
+    """
     out = []
     for client in sorted(set(clients)):
         stored = store.read_update(server_round, client)
+        meta = stored.fields.get("compression")
+        weights: Mapping[str, torch.Tensor] = (
+            stored if meta is None else RestoredWeights(current, stored.maps.get("delta", {}), meta)
+        )
+        if clip is not None:
+            norm = delta_norm(weights, current)
+            if norm > clip:
+                weights = ClippedWeights(weights, current, clip / norm)
         out.append(
             ClientResult(
                 client=client,
                 num_examples=int(stored.fields["num_examples"]),
                 metrics={str(k): float(v) for k, v in dict(stored.fields.get("metrics", {})).items()},
-                load=functools.partial(_itself, stored),
+                loader=functools.partial(_itself, weights),
+                extras_loader=functools.partial(_itself, Without(stored.maps.get("extras", {}))),
             )
         )
     return out
@@ -98,3 +285,7 @@ def client_results(store: JobStore, server_round: int, clients: list[int]) -> li
 
 def _itself(value: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     return value
+
+
+def _state_before(store: ClientStore, server_round: int, client: int) -> dict[str, torch.Tensor]:
+    return store.read(client, before=server_round)

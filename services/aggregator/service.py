@@ -5,6 +5,7 @@
         RoundOpen     open_round     ─▶ UpdateAccepted for updates that came before it
         ClientUpdate  accept_update  ─▶ UpdateAccepted ─▶ scheduler (or kept until its RoundOpen)
         RoundClose    close_round    ─▶ RoundClosed ─▶ scheduler
+        each only from its senders' broker users (common/senders.py), else rejected "sender"
     fedmq.model ─▶ serving.ModelServer ─▶ ModelReply ─▶ the learner that asked
 
 Ack policy: every message on fedmq.aggregator is acked after its effect is on
@@ -21,17 +22,23 @@ ModelGet requests are answered by serving.ModelServer.
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 from pathlib import Path
 
 import structlog
+import torch
 
+from fedmq.common.allowlist import AllowList, CodeNotAllowed
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
+from fedmq.common.checkpoint import save_model
 from fedmq.common.errors import DecodeError, FedmqError, StateUnwritable, ValidationError
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientUpdate,
+    DdpModel,
+    DdpStored,
     JobCreate,
     JobFailed,
     Message,
@@ -44,26 +51,34 @@ from fedmq.common.messages import (
     to_wire,
 )
 from fedmq.common.metrics import Metrics, reason_label
+from fedmq.common.senders import check_sender, check_site_sender
 from fedmq.common.settings import Settings
-from fedmq.common.statefiles import remove_temps
+from fedmq.common.speclimits import SpecTooLarge
+from fedmq.common.statefiles import JOB_ID, remove_temps
 from fedmq.common.stateretry import StateRetry
 from fedmq.common.usercode import UserCodeError
 from fedmq.services.aggregator.jobs import AggJob, new_job, restore_job, rewind, stored_jobs
+from fedmq.services.aggregator.limits import DiskQuota, OverLimit, check_model, model_bytes, retained
 from fedmq.services.aggregator.rounds import close_round, initial_round
 from fedmq.services.aggregator.serving import ModelServer
-from fedmq.services.aggregator.validation import check_update
+from fedmq.services.aggregator.store import JobStore, weights_digest
+from fedmq.services.aggregator.validation import MAX_EXAMPLES, check_update
 
 log = structlog.get_logger("fedmq.aggregator")
 
 
 class AggregatorService:
-    def __init__(self, settings: Settings, bus: Bus, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, settings: Settings, bus: Bus, metrics: Metrics | None = None, allowed: AllowList | None = None
+    ) -> None:
         self.settings = settings
         self.bus = bus
         self.metrics = metrics or Metrics()
+        self.allowed = allowed or AllowList.services(settings.allowed_prefixes)
         self.root = Path(settings.state_dir) / "aggregator"
         self.jobs: dict[str, AggJob] = {}
-        self.models = ModelServer(bus, self.jobs)
+        self.senders = settings.role_users
+        self.models = ModelServer(bus, self.jobs, self.senders, settings.users_of_sites, ddp_root=self.root)
         self.retry = StateRetry(bus, self.metrics, settings)
 
     def start(self) -> None:
@@ -74,9 +89,14 @@ class AggregatorService:
             log.info("temp_files_removed", count=removed)
         for job_id in stored_jobs(self.root):
             try:
-                job = restore_job(self.root, job_id)
+                job = restore_job(self.root, job_id, self.allowed)
             except UserCodeError as exc:
                 self.bus.call_soon(functools.partial(self._user_code_failed, job_id, exc, 0))
+                continue
+            except CodeNotAllowed as exc:  # stored before the allow-list was narrowed
+                self._code_refused(exc)
+                self.bus.call_soon(functools.partial(
+                    self._publish, JobFailed(job_id=job_id, reason=f"aggregator: {exc}")))
                 continue
             self.jobs[job.job_id] = job
             log.info("job_resumed", job=job.job_id, round=job.round, open_round=job.open_round)
@@ -95,6 +115,7 @@ class AggregatorService:
             with structlog.contextvars.bound_contextvars(
                 job=msg.job_id, round=getattr(msg, "round", None), client=getattr(msg, "client", None)
             ):
+                check_sender(msg.type, delivery.user_id, self.senders)  # type: ignore[attr-defined]
                 self._handle(msg, delivery)
         except StateUnwritable as exc:
             # Not the message's fault: keep it unacked (the queue waits) and handle it again later.
@@ -102,6 +123,8 @@ class AggregatorService:
             return
         except UserCodeError as exc:
             self._user_code_failed(msg.job_id, exc, getattr(msg, "round", 0))
+        except OverLimit as exc:
+            self._over_limit(msg.job_id, exc)
         except (DecodeError, ValidationError) as exc:
             reason = exc.reason if isinstance(exc, ValidationError) else "decode"
             if isinstance(msg, ClientUpdate):
@@ -124,10 +147,11 @@ class AggregatorService:
 
     def _handle(self, msg: Message, delivery: Delivery) -> None:
         job = self.jobs.get(msg.job_id)
-        if job is not None and job.failed is not None:
+        if job is not None and (job.failed is not None or job.stopped is not None):
             log.info("ignored_failed_job", type=msg.type)  # type: ignore[attr-defined]
             if isinstance(msg, JobCreate | RoundClose):
-                self._publish(JobFailed(job_id=job.job_id, reason=job.failed.line(), error=job.failed))
+                reason = job.failed.line() if job.failed is not None else str(job.stopped)
+                self._publish(JobFailed(job_id=job.job_id, reason=reason, error=job.failed))
             return
         match msg:
             case JobCreate():
@@ -138,8 +162,37 @@ class AggregatorService:
                 self.accept_update(msg, delivery)
             case RoundClose():
                 self.close_round(msg)
+            case DdpModel():
+                self.store_ddp_model(msg)
             case _:
                 raise ValidationError("unexpected_type", msg.type)  # type: ignore[attr-defined]
+
+    def store_ddp_model(self, msg: DdpModel) -> None:
+        """A DDP job's checkpoint or final model from its rank 0: kept and served like a round's.
+
+        Idempotent (a checkpoint is named by its digest), so a redelivery only says it again."""
+        spec = parse_job(msg.spec)
+        if spec.ddp is None:
+            raise ValidationError("invalid_spec", "a DDP model for a job that is not a DDP job")
+        federated = msg.job_id in self.jobs or JobStore(self.root, msg.job_id).rounds()
+        if not JOB_ID.fullmatch(msg.job_id) or federated:
+            raise ValidationError("unknown_job", f"{msg.job_id[:80]!r} is no DDP job's id")
+        weights = {name: value for name, value in msg.weights.items() if isinstance(value, torch.Tensor)}
+        if len(weights) != len(msg.weights) or not weights:
+            raise ValidationError("wrong_tensors", "a DDP model holds tensors only")
+        check_model(weights, self.settings.max_model_bytes)
+        store = JobStore(self.root, msg.job_id)
+        if store.load_spec() is None:
+            store.save_spec(json.dumps(msg.spec, sort_keys=True))
+        digest = weights_digest(store.write_checkpoint(msg.step, weights, {}))
+        model_path = ""
+        if msg.kind == "final":
+            path = store.root / "model.safetensors"
+            save_model(path, weights, json.dumps(msg.spec, sort_keys=True), job_id=msg.job_id, round=1)
+            model_path = str(path)
+        log.info("ddp_model_stored", kind=msg.kind, step=msg.step, digest=digest[:12])
+        self._publish(DdpStored(job_id=msg.job_id, attempt=msg.attempt, kind=msg.kind, step=msg.step,
+                                digest=digest, model_path=model_path))
 
     # -- handlers -------------------------------------------------------------
 
@@ -149,17 +202,30 @@ class AggregatorService:
             self._resend_closed(self.jobs[msg.job_id], 0)
             return
         try:
-            job = new_job(self.root, msg.job_id, parse_job(msg.spec))
+            job = new_job(self.root, msg.job_id, parse_job(msg.spec), self.allowed)
         except UserCodeError:
             raise
-        except FedmqError as exc:
-            log.warning("job_create_failed", error=str(exc))
+        except CodeNotAllowed as exc:  # the scheduler refuses these: this one came another way
+            self._code_refused(exc)
             self._publish(JobFailed(job_id=msg.job_id, reason=f"aggregator: {exc}"))
             return
+        except FedmqError as exc:
+            log.warning("job_create_failed", error=str(exc))
+            if isinstance(exc, SpecTooLarge):  # the scheduler refuses these: this one came another way
+                self.metrics.refused(exc.limit)
+            self._publish(JobFailed(job_id=msg.job_id, reason=f"aggregator: {exc}"))
+            return
+        # Past a limit here, the job is not kept: a redelivered JobCreate is refused the same way.
+        check_model(job.weights, self.settings.max_model_bytes)
+        self._disk(job).need(model_bytes(job.weights), "the initial checkpoint")
         closed = initial_round(job, self.settings.data_dir)
         log.info("job_created", params=sum(v.numel() for v in job.weights.values()), digest=job.digest[:12])
         self.jobs[msg.job_id] = job
         self._report(closed)
+
+    def _code_refused(self, exc: CodeNotAllowed) -> None:
+        log.warning("job_code_refused", what=exc.what, module=exc.module)
+        self.metrics.refused_code(exc.what)
 
     def open_round(self, msg: RoundOpen) -> None:
         """Open the round, take in the updates that came before it, and announce every stored one."""
@@ -196,6 +262,9 @@ class AggregatorService:
         flow control can order them so), is checked and kept on disk; the RoundOpen announces it.
         """
         job = self._job(msg.job_id)
+        if msg.client < job.spec.clients.total:  # a site's update comes from that site's users only
+            site = job.spec.clients.site(msg.client)
+            check_site_sender(site, delivery.user_id, self.settings.users_of_sites)
         if job.open_round is None and msg.round == job.round + 1:
             self._accept_early(job, msg, delivery)
             return
@@ -211,8 +280,9 @@ class AggregatorService:
             return
         if msg.base_digest != job.digest:
             raise ValidationError("stale_model", "trained on another round's weights")
-        check_update(msg, job.weights)
-        size = delivery.body_path.stat().st_size if delivery.body_path is not None else len(delivery.body)
+        self._check(job, msg)
+        size = _size(delivery)
+        self._disk(job).need(size, f"the update of client {msg.client}")
         job.store.put_update(msg.round, msg.client, delivery.body_path or delivery.body)
         self._accepted(msg, size)
         self.metrics.updates_accepted.inc()
@@ -223,9 +293,20 @@ class AggregatorService:
             raise ValidationError("unknown_client", f"client {msg.client} of {job.spec.clients.total}")
         if msg.base_digest != job.digest:
             raise ValidationError("stale_model", "trained on another round's weights")
-        check_update(msg, job.weights)
+        self._check(job, msg)
+        self._disk(job).need(_size(delivery), f"the update of client {msg.client}")
         job.store.put_early(msg.round, msg.client, delivery.body_path or delivery.body)
         log.info("update_early", examples=msg.num_examples, learner=msg.learner)
+
+    def _check(self, job: AggJob, msg: ClientUpdate) -> None:
+        """The update's checks (validation.check_update) with the job's bounds on its count and norm."""
+        clients = job.spec.clients
+        max_examples = min(clients.max_examples or MAX_EXAMPLES, job.examples.get(msg.client, MAX_EXAMPLES))
+        check_update(
+            msg, job.weights, max_examples=max_examples, expected_extras=job.strategy.expected_extras,
+            compression=job.spec.compression,
+            max_norm=clients.max_update_norm if clients.on_large_update == "reject" else None,
+        )
 
     def close_round(self, msg: RoundClose) -> None:
         job = self._job(msg.job_id)
@@ -235,14 +316,28 @@ class AggregatorService:
             return
         if job.open_round != msg.round:
             raise ValidationError("stale_round", f"round {msg.round} is not open")
+        self._disk(job).need(model_bytes(job.weights), f"round {msg.round}'s checkpoint")
         try:
-            closed = close_round(job, msg.round, msg.clients, self.settings.data_dir)
+            closed = close_round(job, msg.round, msg.clients, msg.failed, self.settings.data_dir)
         except BaseException:
             rewind(job)  # the model and strategy back to the last committed round
             raise
         self.models.forget(job.job_id)
         self._report(closed)
         job.store.drop_updates(msg.round)
+        self._prune(job, msg.keep)
+
+    def _prune(self, job: AggJob, keep: list[str]) -> None:
+        """Old checkpoints go (FEDMQ_KEEP_CHECKPOINTS), and the job's disk is measured again."""
+        kept = retained(job.store.rounds(), job.round, self.settings.keep_checkpoints, [job.digest, *keep])
+        if gone := job.store.prune_checkpoints(kept):
+            log.info("checkpoints_pruned", count=len(gone), kept=len(kept))
+        self._disk(job).measure()
+
+    def _disk(self, job: AggJob) -> DiskQuota:
+        if job.disk is None:
+            job.disk = DiskQuota(job.store.root, self.settings.job_disk_bytes)
+        return job.disk
 
     # -- replies --------------------------------------------------------------
 
@@ -271,6 +366,16 @@ class AggregatorService:
             job.failed = error
         self._publish(JobFailed(job_id=job_id, reason=error.line(), error=error))
 
+    def _over_limit(self, job_id: str, exc: OverLimit) -> None:
+        """The job passed a limit of this deployment: it is over, and the scheduler hears why."""
+        reason = f"aggregator: {exc}"
+        log.warning("job_over_limit", job=job_id, limit=exc.limit, reason=reason)
+        self.metrics.refused(exc.limit)
+        job = self.jobs.get(job_id)
+        if job is not None:
+            job.stopped = reason
+        self._publish(JobFailed(job_id=job_id, reason=reason))
+
     def _resend_closed(self, job: AggJob, server_round: int) -> None:
         if job.last_closed is not None and job.last_closed.round == server_round:
             self._publish(job.last_closed)
@@ -283,3 +388,8 @@ class AggregatorService:
         if job is None:
             raise ValidationError("unknown_job", job_id)
         return job
+
+
+def _size(delivery: Delivery) -> int:
+    """A received message's size: its spool file's, or its body's."""
+    return delivery.body_path.stat().st_size if delivery.body_path is not None else len(delivery.body)

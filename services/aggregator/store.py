@@ -2,10 +2,13 @@
 
     <state>/aggregator/<job>/
         spec.json                      the job spec as the scheduler sent it
-        rounds.json                    round → checkpoint digest
+        rounds.json                    round → checkpoint key
         open.json, closed.json         the open round's clients; the last RoundClosed sent
-        checkpoints/<digest>.safetensors
+        checkpoints/<key>.safetensors  key = <weights digest>-<state digest>: the global weights
+                                       and the strategy's state (older jobs: <weights digest>)
         updates/r<round>/c<client>.msg raw ClientUpdate bodies, until the round closes
+        clients/c<client>/r<round>.safetensors   the strategy's per-client state (common/strategy/clients)
+        residuals/c<client>/r<round>.safetensors topk's per-client residual as it travelled, the same way
         early/r<round>/c<client>.msg   updates that came before their round's RoundOpen
 
 An accepted update is written before it is acknowledged, so the round's
@@ -21,6 +24,7 @@ to a round is the business of the modules that read them.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +34,13 @@ import torch
 
 from fedmq.common import codec, statefiles
 from fedmq.common.checkpoint import load_state, save_state
+
+DIGEST = re.compile(r"[0-9a-f]{64}")  # codec.state_digest's form: what a learner may ask for
+
+
+def weights_digest(key: str) -> str:
+    """The global weights' digest in a checkpoint key (an older job's key is that digest alone)."""
+    return key.partition("-")[0]
 
 
 class JobStore:
@@ -67,25 +78,56 @@ class JobStore:
     def write_checkpoint(
         self, server_round: int, state: Mapping[str, torch.Tensor], extra: Mapping[str, torch.Tensor]
     ) -> str:
-        """Store global weights (and strategy state) under their digest; not yet the job's round."""
-        digest = codec.state_digest(state)
-        tensors = {f"w.{k}": v for k, v in state.items()} | {f"s.{k}": v for k, v in extra.items()}
-        save_state(self.checkpoint_path(digest), tensors, {"round": str(server_round)})
-        return digest
+        """Store global weights and strategy state under a key of both; not yet the job's round.
 
-    def commit_round(self, server_round: int, digest: str) -> None:
-        """Make `digest` the round's global model: the point from which a restart resumes."""
-        rounds = self.rounds() | {server_round: digest}
+        The key holds the state's digest too: a strategy whose weights stay the same while its
+        state moves on must not overwrite an earlier round's checkpoint with a later state.
+        """
+        key = f"{codec.state_digest(state)}-{codec.state_digest(extra)}"
+        tensors = {f"w.{k}": v for k, v in state.items()} | {f"s.{k}": v for k, v in extra.items()}
+        save_state(self.checkpoint_path(key), tensors, {"round": str(server_round)})
+        return key
+
+    def commit_round(self, server_round: int, key: str) -> None:
+        """Make checkpoint `key` the round's: the point from which a restart resumes."""
+        rounds = self.rounds() | {server_round: key}
         statefiles.atomic_write(self.root / "rounds.json", json.dumps(rounds, sort_keys=True).encode())
 
-    def load_checkpoint(self, digest: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        tensors, _ = load_state(self.checkpoint_path(digest))
+    def load_checkpoint(self, key: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(weights, strategy state) of the checkpoint `key` (a rounds.json value)."""
+        tensors, _ = load_state(self.checkpoint_path(key))
         weights = {k[2:]: v for k, v in tensors.items() if k.startswith("w.")}
         extra = {k[2:]: v for k, v in tensors.items() if k.startswith("s.")}
         return weights, extra
 
-    def checkpoint_path(self, digest: str) -> Path:
-        return self.root / "checkpoints" / f"{digest}.safetensors"
+    def checkpoint_path(self, key: str) -> Path:
+        return self.root / "checkpoints" / f"{key}.safetensors"
+
+    def find_weights(self, digest: str) -> Path | None:
+        """A checkpoint holding the global weights with `digest` (any state beside them), or None."""
+        if not DIGEST.fullmatch(digest):
+            return None
+        folder = self.root / "checkpoints"
+        found = sorted(folder.glob(f"{digest}-*.safetensors")) + [folder / f"{digest}.safetensors"]
+        return next((path for path in found if path.is_file()), None)
+
+    def load_weights(self, digest: str) -> dict[str, torch.Tensor]:
+        """The global weights with `digest`; KeyError if no checkpoint holds them."""
+        path = self.find_weights(digest)
+        if path is None:
+            raise KeyError(f"no checkpoint holds the weights {digest[:12]}")
+        return self.load_checkpoint(path.stem)[0]
+
+    def prune_checkpoints(self, keep: set[str]) -> list[str]:
+        """Delete every checkpoint not named in `keep`, by its key (a rounds.json value) or by the digest
+        of the weights it holds (a model_digest, as the scheduler names the best); the keys deleted."""
+        gone = sorted(
+            p.stem for p in (self.root / "checkpoints").glob("*.safetensors")
+            if p.stem not in keep and p.stem.partition("-")[0] not in keep
+        )
+        for digest in gone:
+            self.checkpoint_path(digest).unlink(missing_ok=True)
+        return gone
 
     # -- updates --------------------------------------------------------------
 
@@ -101,7 +143,11 @@ class JobStore:
 
     def read_update(self, server_round: int, client: int) -> codec.TensorFile:
         """A stored update: its other fields decoded, its weights read from disk only when accessed."""
-        return codec.index_tensors(self._update_path(server_round, client))
+        return codec.index_tensors(self._update_path(server_round, client), lazy=("extras", "delta"))
+
+    def update_size(self, server_round: int, client: int) -> int:
+        """A stored update's size: its body as received."""
+        return self._update_path(server_round, client).stat().st_size
 
     def drop_updates(self, server_round: int) -> None:
         shutil.rmtree(self.root / "updates" / f"r{server_round}", ignore_errors=True)

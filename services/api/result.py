@@ -113,12 +113,21 @@ class Result:
         return self.model("final")
 
     def best_model(self) -> nn.Module:
-        """The model of the round the objective picked (the final one when the job has no objective)."""
+        """The model of the round the objective picked (the final one when the job has no objective).
+
+        LookupError when the job's objective names a metric no round reported (a typo).
+        """
         return self.model("best")
 
     def _digest(self, which: str | int) -> str:
         if which == "best" and self.best is not None:
             return str(self.best["model_digest"])
+        if which == "best" and self.spec.objective is not None and self.ok:
+            names = sorted({f"{s}.{n}" for r in self.history for s, m in r.metrics.items() for n in m})
+            raise LookupError(
+                f"job {self.job_id}: its objective {self.spec.objective.metric} was never reported, so "
+                f"no round is best (its metrics: {', '.join(names) or 'none'}); fix objective.metric"
+            )
         if which in ("final", "best"):
             if not self.history:
                 raise LookupError(f"job {self.job_id} has no rounds")

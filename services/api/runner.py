@@ -16,15 +16,19 @@ Callbacks follow the job as it goes (seed 002's hook names, a round standing for
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
+from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.errors import ConfigError
 from fedmq.common.jobspec import JobSpec
-from fedmq.common.messages import JobEvent, JobSubmit, to_wire
+from fedmq.common.messages import JobCancel, JobEvent, JobSubmit, to_wire
 from fedmq.common.settings import Settings
 from fedmq.common.task.loading import complete_spec
 from fedmq.services.api.result import Result, RoundRecord
@@ -37,6 +41,9 @@ if TYPE_CHECKING:
     from fedmq.services.cli.remote import Remote
 
 QUIET_S = 15.0  # on a cluster, with no event for this long, ask the scheduler how the job stands
+CANCEL_WAIT_S = 10.0  # a job `run` stops following is cancelled; this long for the scheduler to confirm
+
+log = structlog.get_logger("fedmq.api")
 
 
 class Callback:
@@ -75,8 +82,8 @@ class Runner:
             overrides["broker_url"] = broker
         if state_dir is not None:
             overrides["state_dir"] = Path(state_dir)
-        base = settings or Settings()
-        self.settings = base.model_copy(update=overrides) if overrides else base
+        # Built with the overrides, so that they are validated too (a broker URL and its password setting).
+        self.settings = Settings(**overrides) if settings is None else settings.model_copy(update=overrides)
         self.remote_mode = broker is not None
         self.learners = learners
         self._cluster: EmbeddedCluster | None = None
@@ -91,13 +98,20 @@ class Runner:
         else:
             from fedmq.services.cli.embedded import EmbeddedCluster
 
-            self._cluster = EmbeddedCluster(self.settings, learners=self.learners).__enter__()
+            # This program's own code runs here, as `fedmq run`'s does: its project is allowed.
+            self._cluster = EmbeddedCluster(
+                self.settings, learners=self.learners, allowed=self._project()
+            ).__enter__()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    def _project(self) -> AllowList:
+        """The code this program may import for a job: fedmq's, FEDMQ_ALLOWED_CODE's and its project's."""
+        return AllowList.project(self.settings.allowed_prefixes)
 
     def close(self) -> None:
         """Stop the embedded services, or disconnect from the cluster."""
@@ -118,11 +132,14 @@ class Runner:
         """Submit `job`, follow it to its end calling `callbacks`, and return its Result.
 
         The spec is checked first (its Task is imported and its options validated): a bad
-        one raises ConfigError here. `timeout` bounds the silence between two events.
+        one raises ConfigError here. `timeout` bounds the silence between two events. If this
+        call ends other than by the job's end (a callback raises, the timeout, Ctrl-C), the job
+        is cancelled before the exception goes on: no job trains on unwatched.
         """
         if self._cluster is None and self._remote is None:
             raise RuntimeError("use the Runner as a context manager (with fedmq.Runner() as runner: ...)")
-        spec = complete_spec(job if isinstance(job, JobSpec) else JobSpec.model_validate(job))
+        spec = job if isinstance(job, JobSpec) else JobSpec.model_validate(job)
+        spec = complete_spec(spec, self._project())
         if self.remote_mode and spec.task.name.startswith("__main__:"):
             raise ConfigError(
                 f"task {spec.task.name!r} lives in the running script and the cluster's services cannot "
@@ -138,6 +155,9 @@ class Runner:
                 submit = JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json"))
                 follower.bus.publish(topology.SCHEDULER, to_wire(submit))
                 raw_history, final = self._follow(follower, spec, job_id, hooks, timeout)
+            except BaseException as exc:  # a callback raised, a timeout, Ctrl-C: nobody follows the job now
+                self._cancel(follower, job_id, f"the program running it stopped: {type(exc).__name__}")
+                raise
             finally:
                 if self._cluster is not None:
                     follower.close()
@@ -149,6 +169,21 @@ class Runner:
         for hook in hooks:
             hook.on_train_end(result)
         return result
+
+    def _cancel(self, follower: JobFollower, job_id: str, reason: str) -> None:
+        """Cancel a job this call no longer follows, and wait a little for the scheduler to say so.
+
+        Otherwise it would go on training unwatched: on the cluster, or here, where the next
+        Runner on the same state directory would resume it.
+        """
+        try:
+            follower.bus.publish(topology.SCHEDULER, to_wire(JobCancel(job_id=job_id, reason=reason)))
+            deadline = time.monotonic() + CANCEL_WAIT_S
+            for event in follower.events(idle_timeout=CANCEL_WAIT_S):
+                if event.kind in TERMINAL or time.monotonic() > deadline:
+                    break
+        except Exception as exc:  # best effort: the caller's own exception is what matters
+            log.warning("job_cancel_failed", job=job_id, error=f"{type(exc).__name__}: {exc}")
 
     def _follower(self, job_id: str) -> JobFollower:
         if self._cluster is not None:
@@ -168,7 +203,7 @@ class Runner:
             except TimeoutError:
                 if self._remote is None:
                     raise
-                final = self._catch_up(job_id, history)  # events are best effort across reconnects
+                final = self._catch_up(job_id, history, hooks)  # events are best effort across reconnects
         return [history[r] for r in sorted(history)], final
 
     @staticmethod
@@ -188,13 +223,20 @@ class Runner:
             return {"status": event.kind, **event.data}
         return {}
 
-    def _catch_up(self, job_id: str, history: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    def _catch_up(
+        self, job_id: str, history: dict[int, dict[str, Any]], hooks: list[Callback]
+    ) -> dict[str, Any]:
+        """The job as the scheduler has it; rounds whose events were lost reach the callbacks now."""
         assert self._remote is not None
         reply = self._remote.status("job", job_id)
         if reply.error or not reply.jobs:
             return {}
         job = reply.jobs[0]
-        history.update({h["round"]: h for h in job.get("history", [])})
+        for record in sorted(job.get("history", []), key=lambda h: int(h["round"])):
+            if record["round"] not in history:
+                history[record["round"]] = record
+                for hook in hooks:
+                    hook.on_round_end(record["round"], RoundRecord.of(record))
         if job["status"] == "running":
             return {}
         return {k: job.get(k) for k in ("status", "reason", "model_path", "best") if job.get(k) is not None}
@@ -204,11 +246,11 @@ class Runner:
         settings, remote_mode = self.settings, self.remote_mode
 
         def fetch(digest: str) -> Mapping[str, torch.Tensor]:
-            path = Path(settings.state_dir) / "aggregator" / job_id / "checkpoints" / f"{digest}.safetensors"
-            if not remote_mode and path.exists():
-                from fedmq.common.checkpoint import load_state
+            from fedmq.services.aggregator.store import JobStore
 
-                return {k[2:]: v for k, v in load_state(path)[0].items() if k.startswith("w.")}
+            store = JobStore(Path(settings.state_dir) / "aggregator", job_id)
+            if not remote_mode and store.find_weights(digest) is not None:
+                return store.load_weights(digest)
             from fedmq.services.cli.remote import Remote
 
             with Remote(settings) as remote:

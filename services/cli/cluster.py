@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
+from fedmq.common.jobspec import JobSpec
 from fedmq.common.logging import configure_logging
 from fedmq.services.cli.app import (
     EXIT_FAILED,
@@ -21,12 +23,17 @@ from fedmq.services.cli.app import (
     load_spec,
     make_settings,
 )
+from fedmq.services.cli.interrupt import EXIT_INTERRUPTED
+
+if TYPE_CHECKING:
+    from fedmq.services.cli.remote import Remote
 
 WATCH_POLL_S = 15.0  # with no event for this long, `watch` asks the scheduler directly
+PREFLIGHT_TIMEOUT_S = 5.0  # `submit` asks for the learners this long, then publishes anyway
 
 
 def _remote_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Broker and scheduler trouble is one clear line and an exit code, never a traceback."""
+    """Broker and scheduler trouble, and Ctrl-C, are one clear line and an exit code, never a traceback."""
     import functools
 
     @functools.wraps(fn)
@@ -34,13 +41,24 @@ def _remote_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         from fedmq.common.errors import BrokerUnavailable
         from fedmq.services.cli.remote import SchedulerSilent
 
-        try:
-            return fn(*args, **kwargs)
-        except (BrokerUnavailable, SchedulerSilent) as exc:
-            err.print(f"[red]error:[/] {exc}", highlight=False)
-            raise typer.Exit(EXIT_UNREACHABLE) from None
+        with _on_interrupt(lambda: "interrupted"):
+            try:
+                return fn(*args, **kwargs)
+            except (BrokerUnavailable, SchedulerSilent) as exc:
+                err.print(f"[red]error:[/] {exc}", highlight=False)
+                raise typer.Exit(EXIT_UNREACHABLE) from None
 
     return wrapper
+
+
+@contextmanager
+def _on_interrupt(say: Callable[[], str]) -> Iterator[None]:
+    """Ctrl-C: one line saying where things stand, and exit 130 as `fedmq run` (whatever typer does)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err.print(say(), highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 @app.command()
@@ -52,21 +70,45 @@ def submit(
     watch_: Annotated[bool, typer.Option("--watch", help="follow the job until it ends")] = False,
 ) -> None:
     """Validate a job spec here, then hand it to the scheduler; prints the job id."""
+    settings = make_settings()
+    spec = load_spec(job, rounds, seed, settings)
     from fedmq.common.messages import JobSubmit
-    from fedmq.services.cli.embedded import new_job_id
+    from fedmq.services.cli.embedded import new_job_id  # imports torch: after the spec's checks
     from fedmq.services.cli.remote import Remote
 
-    spec = load_spec(job, rounds, seed)
-    settings = make_settings()
     configure_logging(settings.log_format, "warning")
     job_id = new_job_id(spec)
-    with Remote(settings) as remote:
+    sent = False
+
+    def said() -> str:
+        if sent:
+            return f"interrupted: job {job_id} was submitted; follow it with: fedmq watch {job_id}"
+        return f"interrupted before the broker confirmed job {job_id}; `fedmq status` shows whether it has it"
+
+    with _on_interrupt(said), Remote(settings) as remote:
+        warning = _learners_warning(remote, spec)
         remote.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
+        sent = True
     typer.echo(job_id)
+    if warning:
+        err.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     if watch_:
         watch(job_id)
     else:
         err.print(f"submitted; follow it with: fedmq watch {job_id}")
+
+
+def _learners_warning(remote: Remote, spec: JobSpec) -> str | None:
+    """What the scheduler's learner registry says of the job's chances; never a refusal."""
+    from fedmq.services.cli.preflight import learners_warning
+    from fedmq.services.cli.remote import SchedulerSilent
+
+    try:
+        reply = remote.status("learners", timeout=PREFLIGHT_TIMEOUT_S)
+    except SchedulerSilent:
+        return (f"no scheduler answered within {PREFLIGHT_TIMEOUT_S:g} s: the job waits in the broker's "
+                "queue until `fedmq scheduler` runs against this broker and vhost")
+    return learners_warning(spec, reply.learners)
 
 
 @app.command()
@@ -83,7 +125,8 @@ def watch(
 
     settings = make_settings()
     configure_logging(settings.log_format, "warning")
-    with Remote(settings) as remote:
+    stopped = f"stopped watching; job {job_id} goes on (`fedmq cancel {job_id}` stops it)"
+    with _on_interrupt(lambda: stopped), Remote(settings) as remote:
         follower = remote.follow(job_id)  # subscribe first, then catch up: no event is missed
         reply = remote.status("job", job_id)
         if reply.error:
@@ -93,7 +136,8 @@ def watch(
         history = {h["round"]: h for h in job.get("history", [])}
         # A job that already ended is described by the status reply alone.
         final: dict[str, Any] = {
-            k: job.get(k) for k in ("status", "reason", "model_path", "best") if job.get(k) is not None
+            k: job.get(k) for k in ("status", "reason", "model_path", "best", "wall_seconds")
+            if job.get(k) is not None
         }
         if final.get("status") == "running":
             final = {}
@@ -115,15 +159,16 @@ def watch(
                         history.update({h["round"]: h for h in job.get("history", [])})
                         progress.start_job(job["name"], job["rounds"], history.values(), _objective(job))
                         if job["status"] != "running":
-                            final = {k: job.get(k) for k in ("status", "reason", "model_path", "best")
-                                     if job.get(k) is not None}
+                            final = {k: job.get(k) for k in ("status", "reason", "model_path", "best",
+                                                             "wall_seconds") if job.get(k) is not None}
     rounds = [history[r] for r in sorted(history)]
     result = {"job_id": job_id, "name": job["name"], **final, **summarize(rounds, job.get("objective")),
-              "history": rounds}
+              "history": rounds, "ddp": bool((job.get("spec") or {}).get("ddp"))}
     if json_out:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     from fedmq.services.cli.render import print_summary
 
+    # From the job's acceptance to its end, as the scheduler timed it (older schedulers: the rounds').
     print_summary(err, {"wall_seconds": sum(r.get("seconds", 0.0) for r in rounds), **result})
     if result["status"] != "completed":
         raise typer.Exit(EXIT_FAILED)
@@ -136,9 +181,8 @@ def status(
     json_out: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """A table of jobs, or one job's rounds."""
-    from rich.table import Table
 
-    from fedmq.services.cli.remote import Remote, job_row, rounds_table
+    from fedmq.services.cli.remote import Remote, jobs_table, rounds_table
 
     settings = make_settings()
     configure_logging(settings.log_format, "warning")
@@ -156,10 +200,7 @@ def status(
         lost = fleet["lost"]
         gone = f", [red]{len(lost)} lost[/] ({', '.join(lost[:5])})" if lost else ""
         console.print(f"learners: {fleet['alive']} alive, {fleet['busy']} busy{gone}")
-    table = Table("job", "status", "round", "metric", "reason")
-    for job in reply.jobs:
-        table.add_row(*job_row(job))
-    console.print(table)
+    console.print(jobs_table(reply.jobs))
     if job_id and reply.jobs:
         job = reply.jobs[0]
         if job.get("reason"):
@@ -183,14 +224,22 @@ def cancel(job_id: Annotated[str, typer.Argument(help="job id")]) -> None:
     settings = make_settings()
     configure_logging(settings.log_format, "warning")
     with Remote(settings) as remote:
+        reply = remote.status("job", job_id)  # the scheduler drops a cancel of a job it does not know
+        if reply.error:
+            err.print(f"[red]error:[/] {reply.error}; `fedmq status` lists the jobs", highlight=False)
+            raise typer.Exit(EXIT_USAGE)
+        state = reply.jobs[0]["status"]
+        if state != "running":
+            err.print(f"job {job_id} is no longer running ({state}): nothing to cancel", highlight=False)
+            return
         remote.send(JobCancel(job_id=job_id))
-    err.print(f"cancel requested for {job_id}")
+    err.print(f"cancel requested for {job_id}", highlight=False)
 
 
 @app.command()
 @_remote_errors
 def learners(json_out: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
-    """The learners the scheduler knows: device, busy or idle, ranks and last heartbeat."""
+    """The learners the scheduler knows: device, busy or idle, sites, ranks and last heartbeat."""
     from rich.table import Table
 
     from fedmq.services.cli.remote import Remote
@@ -202,11 +251,15 @@ def learners(json_out: Annotated[bool, typer.Option("--json", help="print JSON")
     if json_out:
         sys.stdout.write(json.dumps(reply.learners, indent=2) + "\n")
         return
-    table = Table("learner", "device", "state", "rank", "local", "node", "world", "last seen")
+    table = Table(
+        "learner", "device", "state", "sites", "DDP group", "rank", "local", "node", "world", "last seen"
+    )
     for row in reply.learners:
         state = ("busy" if row["busy"] else "idle") if row["alive"] else "[red]lost[/]"
         table.add_row(
-            row["learner"], row["device"], state, *(str(row.get(k, "-")) for k in
+            row["learner"], row["device"], state, ",".join(row.get("sites") or []) or "-",
+            row.get("group") or "-",
+            *(str(row.get(k, "-")) for k in
             ("rank", "local_rank", "node_rank", "world_size")), f"{row['age_s']:.1f}s ago",
         )
     Console().print(table)

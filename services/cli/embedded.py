@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
+from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
 from fedmq.common.bus.memory import MemoryBroker
@@ -41,20 +42,31 @@ STOP_WAIT_S = 10.0  # a stop at the end of a job waits this long per thread; a C
 STATUS_TIMEOUT_S = 30.0
 
 
+def embedded_user(name: str) -> str:
+    """The broker user a bus of the embedded cluster publishes as: its service's, as deployed."""
+    role = name.split("-", 1)[0]
+    return role if role in ("scheduler", "aggregator", "learner") else "cli"
+
+
 class EmbeddedCluster:
     """All services of fedmq in this process; use as a context manager."""
 
     def __init__(
-        self, settings: Settings, learners: int = 1, connect: Callable[[str], Bus] | None = None
+        self, settings: Settings, learners: int = 1, connect: Callable[[str], Bus] | None = None,
+        allowed: AllowList | None = None,
     ) -> None:
+        """`allowed`: the code its services may import for a job (default: the services' list,
+        fedmq's built-ins and FEDMQ_ALLOWED_CODE; `fedmq run` passes AllowList.project)."""
         self.settings = settings
         self.broker = MemoryBroker()
         self.in_memory = connect is None
-        self._connect = connect or (lambda name: self.broker.connect())
-        self.scheduler = SchedulerService(settings, self._connect("scheduler"))
-        self.aggregator = AggregatorService(settings, self._connect("aggregator"))
+        self._connect = connect or (lambda name: self.broker.connect(user=embedded_user(name)))
+        self.allowed = allowed or AllowList.services(settings.allowed_prefixes)
+        self.scheduler = SchedulerService(settings, self._connect("scheduler"), allowed=self.allowed)
+        self.aggregator = AggregatorService(settings, self._connect("aggregator"), allowed=self.allowed)
         self.learners = [
-            LearnerService(settings, self._connect(f"learner-{i}"), replica=i) for i in range(learners)
+            LearnerService(settings, self._connect(f"learner-{i}"), replica=i, allowed=self.allowed)
+            for i in range(learners)
         ]
         self._threads: list[threading.Thread] = []
 
@@ -77,10 +89,22 @@ class EmbeddedCluster:
                 thread = threading.Thread(target=service.bus.run, name=name, daemon=True)
                 thread.start()
                 self._threads.append(thread)
+            self._await_heartbeats()
         except BaseException:
             self.stop()  # what did start
             raise
         return self
+
+    def _await_heartbeats(self) -> None:
+        """The scheduler has heard every learner of this cluster: it may then count a site no
+        learner hosts as unserved at once (else only after its start-up grace)."""
+        deadline = time.monotonic() + 1.5 * self.settings.liveness_s
+        mine = {learner.name for learner in self.learners}  # on a shared broker others may beat too
+        while not mine <= {row.learner for row in self.scheduler.registry.alive()}:
+            if time.monotonic() > deadline:
+                return  # slow to start: the grace covers it
+            time.sleep(0.005)
+        self.scheduler.learners_heard()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -121,12 +145,14 @@ def run_job(
     on_event: Callable[[JobEvent], None] | None = None,
     idle_timeout: float | None = None,
     interrupt: Interrupt | None = None,
+    allowed: AllowList | None = None,
 ) -> dict[str, Any]:
     """Train `spec` to the end in this process; returns status, per-round history and model.
 
-    With `resume`, job `job_id` goes on from its state in `settings.state_dir` (and from what a
-    Ctrl-C kept there); `on_event` first hears the rounds it had done. With `interrupt`, Ctrl-C
-    stops the run in order and raises KeyboardInterrupt.
+    `allowed`: the code the services may import (see EmbeddedCluster). With `resume`, job
+    `job_id` goes on from its state in `settings.state_dir` (and from what a Ctrl-C kept there);
+    `on_event` first hears the rounds it had done. With `interrupt`, Ctrl-C stops the run in
+    order and raises KeyboardInterrupt.
     """
     if resume and job_id is None:
         raise ValueError("resuming needs the job id")
@@ -134,16 +160,21 @@ def run_job(
     paused = pause.load(settings.state_dir) if resume and connect is None else None
     if paused is not None:  # before the scheduler reads its rounds: the pause took no round time
         pause.shift_deadlines(settings.state_dir, time.time() - paused.paused_at)
+    if spec.ddp is not None:  # one learner per rank (each runs its rank as a child process)
+        learners = max(learners, spec.ddp.world_size)
+    if spec.clients.sites is not None and not settings.site_names:
+        # One process plays every site: its learners host them all, reading FEDMQ_DATA_DIR.
+        settings = settings.model_copy(update={"sites": ",".join(spec.clients.sites)})
     rounds: dict[int, dict[str, Any]] = {}
     final: dict[str, Any] = {"status": "unknown"}
     started = time.perf_counter()
-    with EmbeddedCluster(settings, learners=learners, connect=connect) as cluster:
+    with EmbeddedCluster(settings, learners=learners, connect=connect, allowed=allowed) as cluster:
         follower = JobFollower(cluster.connect(), job_id).start()
         if interrupt is not None:
             interrupt.attach(follower)
         try:
             if paused is not None:
-                paused.replay(follower.bus)
+                paused.replay(cluster.broker)
             events: Iterable[JobEvent] = follower.events(idle_timeout=idle_timeout)
             if resume:
                 so_far = _story_so_far(follower.bus, job_id)
@@ -165,12 +196,14 @@ def run_job(
             "tasks_redelivered": sum(learner.redelivered for learner in cluster.learners),
             "reconnects": sum(getattr(s.bus, "reconnects", 0) for _, s in cluster.services()),
             "dead_letters": _merge([s.metrics.dead_letter_counts() for _, s in cluster.services()]),
+            "jobs_refused": _merge([s.metrics.refused_counts() for _, s in cluster.services()]),
         }
     history = [rounds[r] for r in sorted(rounds)]
     return {
         **counters,
         "job_id": job_id,
         "name": spec.name,
+        "ddp": spec.ddp is not None,
         "wall_seconds": time.perf_counter() - started,
         **final,
         **summarize(history, None if spec.objective is None else spec.objective.model_dump()),

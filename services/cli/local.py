@@ -6,7 +6,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -14,7 +14,15 @@ from rich.console import Console
 from fedmq.common.errors import ConfigError
 from fedmq.common.jobspec import JobSpec, canonical_json
 from fedmq.common.logging import configure_logging
-from fedmq.services.cli.app import EXIT_FAILED, EXIT_USAGE, app, err, load_spec, make_settings
+from fedmq.services.cli.app import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    app,
+    err,
+    load_spec,
+    make_settings,
+    project_code,
+)
 
 
 @app.command()
@@ -31,12 +39,13 @@ def run(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show service logs")] = False,
 ) -> None:
     """Train a job in this process on the in-memory bus (no broker needed)."""
+    settings = make_settings(state_dir=state_dir)
+    spec = load_spec(job, rounds, seed, settings)
+    # The services import torch (seconds): only once the spec is known to be good.
     from fedmq.services.cli.embedded import new_job_id, run_job
     from fedmq.services.cli.interrupt import EXIT_INTERRUPTED, Interrupt
     from fedmq.services.cli.render import RoundProgress, print_summary
 
-    spec = load_spec(job, rounds, seed)
-    settings = make_settings(state_dir=state_dir)
     configure_logging(settings.log_format, "info" if verbose else "warning")
     _check_state(settings.state_dir, spec, job, resume)
     job_id = resume or new_job_id(spec)
@@ -49,17 +58,39 @@ def run(
         with Interrupt(f"Resume with: {again}") as interrupt, \
                 RoundProgress(err, enabled=not verbose) as progress:
             result = run_job(spec, settings, learners=learners, job_id=job_id, resume=resume is not None,
-                             on_event=progress.update, interrupt=interrupt)
+                             on_event=progress.update, interrupt=interrupt,
+                             allowed=project_code(settings, job))
     except KeyboardInterrupt:
         _say_stopped(settings.state_dir, job_id, spec, again)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except ConfigError as exc:  # a setting only the services check, such as FEDMQ_DEVICE
         _refuse(str(exc))
+    if result["status"] == "completed":
+        _save_best(settings.state_dir, job_id, spec, result)
     if json_out:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     print_summary(err if json_out else Console(), result)
     if result["status"] != "completed":
         raise typer.Exit(EXIT_FAILED)
+
+
+def _save_best(state_dir: Path, job_id: str, spec: JobSpec, result: dict[str, Any]) -> None:
+    """The objective's best round as a model file beside the final one (`best_model_path`)."""
+    from fedmq.common.checkpoint import save_model
+    from fedmq.services.aggregator.store import JobStore
+
+    best = result.get("best")
+    if not best:
+        return
+    store = JobStore(Path(state_dir) / "aggregator", job_id)
+    weights = store.load_weights(str(best["model_digest"]))
+    rounds = {h["round"]: h for h in result.get("history", [])}
+    metrics: dict[str, Any] = rounds.get(best["round"], {}).get("metrics", {})
+    path = save_model(
+        store.root / "best.safetensors", weights, canonical_json(spec),
+        job_id=job_id, round=best["round"], metrics=metrics,
+    )
+    result["best_model_path"] = str(path)
 
 
 def _say_stopped(state_dir: Path, job_id: str, spec: JobSpec, again: str) -> None:

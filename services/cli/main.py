@@ -11,6 +11,8 @@ from fedmq.services.cli.app import app
 from fedmq.services.cli import local  # noqa: F401,E402 - run
 from fedmq.services.cli import serve  # noqa: F401,E402 - scheduler, aggregator, learner
 from fedmq.services.cli import cluster  # noqa: F401,E402 - submit, watch, status, cancel, learners
+from fedmq.services.cli import placement  # noqa: F401,E402 - gpu-mapping
+from fedmq.services.cli import results  # noqa: F401,E402 - model, plot
 # isort: on
 
 __all__ = ["app"]

@@ -1,7 +1,7 @@
 """A `fedmq run` stopped by Ctrl-C, kept in its state directory so that `--resume` goes on.
 
     STATE/embedded/paused/    written when the run stops in order, removed when it resumes
-        pause.json            {"paused_at": wall-clock seconds, "messages": [[queue, file], ...]}
+        pause.json            {"paused_at": wall-clock seconds, "messages": [[queue, file, user], ...]}
         0000000.msg ...       each message's body: the bytes that were on the bus
 
 Jobs and rounds are the services' own state (the scheduler's rows, the aggregator's
@@ -39,13 +39,13 @@ def save(state_dir: Path, broker: MemoryBroker) -> int:
     partial = final.with_name("paused.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    index: list[tuple[str, str]] = []
+    index: list[tuple[str, str, str]] = []
 
     def keep(delivery: Delivery) -> None:
         if delivery.reply_to is None:  # a request's asker is gone with this process
             name = f"{len(index):07d}.msg"
             (partial / name).write_bytes(delivery.body)
-            index.append((delivery.queue, name))
+            index.append((delivery.queue, name, delivery.user_id or "guest"))
         delivery.ack()
 
     bus = broker.connect()
@@ -66,11 +66,13 @@ class Pause:
 
     path: Path
     paused_at: float
-    messages: list[tuple[str, str]]
+    messages: list[tuple[str, str, str]]
 
-    def replay(self, bus: Bus) -> None:
-        """Publish the saved messages again, each to its queue in its order, then forget them."""
-        for queue, name in self.messages:
+    def replay(self, broker: MemoryBroker) -> None:
+        """Publish the saved messages again, each to its queue, in order, as its sender; then forget them."""
+        buses: dict[str, Bus] = {}
+        for queue, name, user in self.messages:
+            bus = buses.setdefault(user, broker.connect(user))
             bus.publish(queue, (self.path / name).read_bytes())
         shutil.rmtree(self.path)
 
@@ -82,7 +84,9 @@ def load(state_dir: Path) -> Pause | None:
         record = json.loads((path / "pause.json").read_text())
     except FileNotFoundError:
         return None
-    return Pause(path, float(record["paused_at"]), [(q, n) for q, n in record["messages"]])
+    # A pause saved before senders were kept: as `guest`, what an unconfigured broker would say.
+    messages = [(m[0], m[1], m[2] if len(m) > 2 else "guest") for m in record["messages"]]
+    return Pause(path, float(record["paused_at"]), messages)
 
 
 def discard(state_dir: Path) -> None:

@@ -6,9 +6,10 @@ import threading
 from types import TracebackType
 from typing import Any, Literal
 
-from rich.table import Table
+from rich.table import Column, Table
 
 from fedmq.common.bus import topology
+from fedmq.common.bus.base import Bus
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.errors import DecodeError, FedmqError
 from fedmq.common.messages import Message, StatusReply, StatusRequest, expect, from_wire, to_wire
@@ -23,37 +24,61 @@ class SchedulerSilent(FedmqError):
     """The broker is up but no scheduler answered."""
 
 
-class Remote:
-    """A connected CLI client; use as a context manager. BrokerUnavailable if unreachable."""
+class AggregatorSilent(FedmqError):
+    """The broker is up but no aggregator answered a model request."""
 
-    def __init__(self, settings: Settings) -> None:
+
+class ModelUnavailable(FedmqError):
+    """The aggregator answered without the model; `reason` is its word ("unknown job", "unknown model")."""
+
+    def __init__(self, job_id: str, digest: str, reason: str) -> None:
+        super().__init__(f"the aggregator has no model {digest[:12]} of job {job_id}: {reason}")
+        self.reason = reason
+
+
+class Remote:
+    """A connected CLI client; use as a context manager. BrokerUnavailable if unreachable.
+
+    `bus`: one that another thread already runs (an embedded cluster's, a test's), to ask on
+    instead of a RabbitMQ connection of its own; the `with` block then neither opens nor stops it.
+    """
+
+    def __init__(self, settings: Settings, bus: Bus | None = None) -> None:
         self.settings = settings
-        self.bus = RabbitBus(settings, name="fedmq-cli")
+        self._own: RabbitBus | None = None
+        if bus is None:
+            bus = self._own = RabbitBus(settings, name="fedmq-cli")
+        self.bus = bus
         self._thread = threading.Thread(target=self.bus.run, name="cli-bus", daemon=True)
 
     def __enter__(self) -> Remote:
-        self.bus.connect()
-        self._thread.start()
-        self.bus.wait_ready(self.settings.request_timeout_s)
+        if self._own is not None:
+            self._own.connect()
+            self._thread.start()
+            self._own.wait_ready(self.settings.request_timeout_s)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.bus.stop()
-        self._thread.join(timeout=5)
+        if self._own is not None:
+            self._own.stop()
+            self._thread.join(timeout=5)
 
     def send(self, msg: Message) -> None:
         """Publish to the scheduler; returns once the broker confirmed it."""
         self.bus.publish(topology.SCHEDULER, to_wire(msg))
 
-    def status(self, what: Literal["jobs", "job", "learners"] = "jobs", job_id: str = "") -> StatusReply:
+    def status(
+        self, what: Literal["jobs", "job", "learners"] = "jobs", job_id: str = "",
+        timeout: float = STATUS_TIMEOUT_S,
+    ) -> StatusReply:
         request = StatusRequest(job_id=job_id, what=what)
         try:
-            body = self.bus.request(topology.SCHEDULER, to_wire(request), timeout=STATUS_TIMEOUT_S)
+            body = self.bus.request(topology.SCHEDULER, to_wire(request), timeout=timeout)
         except TimeoutError:
             raise SchedulerSilent(
-                f"no scheduler answered within {STATUS_TIMEOUT_S:.0f}s on {self.settings.safe_broker_url}; "
+                f"no scheduler answered within {timeout:.0f}s on {self.settings.safe_broker_url}; "
                 "is `fedmq scheduler` running against this broker and vhost?"
             ) from None
         try:
@@ -62,14 +87,25 @@ class Remote:
             raise SchedulerSilent(f"unreadable answer from the scheduler: {exc}") from None
 
     def model(self, job_id: str, digest: str) -> dict[str, Any]:
-        """A job's global weights by digest, from the aggregator (the same request learners make)."""
+        """A job's global weights by digest, from the aggregator (the same request learners make).
+
+        AggregatorSilent if none answers in FEDMQ_REQUEST_TIMEOUT_S; ModelUnavailable if it has not
+        the model (a round FEDMQ_KEEP_CHECKPOINTS pruned, a job it does not hold).
+        """
         from fedmq.common.messages import ModelGet, ModelReply
 
         request = to_wire(ModelGet(job_id=job_id, digest=digest))
-        body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
+        timeout = self.settings.request_timeout_s
+        try:
+            body = self.bus.request(topology.MODEL, request, timeout=timeout)
+        except TimeoutError:
+            raise AggregatorSilent(
+                f"no aggregator answered within {timeout:.0f}s on {self.settings.safe_broker_url}; "
+                "is `fedmq aggregator` running against this broker and vhost?"
+            ) from None
         reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ModelReply)
         if reply.error or reply.weights is None:
-            raise FedmqError(f"the aggregator has no model {digest[:12]} of job {job_id}: {reply.error}")
+            raise ModelUnavailable(job_id, digest, reply.error or "no weights")
         return dict(reply.weights)
 
     def follow(self, job_id: str) -> JobFollower:
@@ -84,6 +120,15 @@ def job_row(job: dict[str, Any]) -> list[str]:
         job["job_id"], job["status"], f"{job['round']}/{job['rounds']}",
         "-" if shown is None else f"{shown[0]} {shown[1]:.4f}", (job.get("reason") or "")[:60],
     ]
+
+
+def jobs_table(jobs: list[dict[str, Any]]) -> Table:
+    """`fedmq status`: a row per job; the job id is never cut or wrapped (it is there to be copied)."""
+    widest = max((len(job["job_id"]) for job in jobs), default=3)
+    table = Table(Column("job", no_wrap=True, min_width=widest), "status", "round", "metric", "reason")
+    for job in jobs:
+        table.add_row(*job_row(job))
+    return table
 
 
 def rounds_table(history: list[dict[str, Any]]) -> Table:

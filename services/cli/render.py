@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -76,8 +77,22 @@ def print_summary(console: Console, result: dict[str, Any]) -> None:
             f"  best {objective['metric']} ({objective['mode']}): [bold]{best['value']:.4f}[/] "
             f"in round {best['round']}"
         )
+        if result.get("best_model_path"):
+            console.print(f"  best model saved to [bold]{result['best_model_path']}[/]", soft_wrap=True)
+    elif objective and status == "completed":
+        console.print(
+            f"  [yellow]objective {objective['metric']} was never reported[/] (the job's metrics: "
+            f"{', '.join(final) or 'none'}): no best round; fix objective.metric"
+        )
     if result.get("reason"):
         console.print(f"  reason: {escape(result['reason'])}")  # user text: brackets are not markup
     if result.get("model_path"):
-        console.print(f"  model saved to [bold]{result['model_path']}[/]")
-        console.print("  load it with [bold]fedmq.load_model(path)[/] (safetensors)")
+        # soft_wrap: a long path stays on one line, to be copied whole
+        console.print(f"  model saved to [bold]{result['model_path']}[/]", soft_wrap=True)
+        if result.get("ddp"):  # no Task to build the model with: the entry's own model class loads it
+            console.print("  load its tensors with [bold]safetensors.torch.load_file(path)[/]")
+        else:
+            console.print("  load it with [bold]fedmq.load_model(path)[/] (safetensors)")
+        artifacts = Path(result["model_path"]).parent / "artifacts"
+        if artifacts.is_dir() and any(artifacts.iterdir()):
+            console.print(f"  the Task's artifacts are in [bold]{artifacts}[/]", soft_wrap=True)

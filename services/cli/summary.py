@@ -7,11 +7,11 @@ from typing import Any
 FALLBACK_HEADLINES = ("server.accuracy", "server.loss", "federated.accuracy", "federated.loss", "train.loss")
 
 
-SOURCE_ORDER = ("server", "federated", "train", "strategy")
+SOURCE_ORDER = ("server", "federated", "train", "strategy", "transport")
 
 
 def flat(record: dict[str, Any]) -> dict[str, float]:
-    """A record's metrics as {"source.name": value}, server first, then federated, train, strategy."""
+    """A record's metrics as {"source.name": value}: server, federated, train, strategy, transport, others."""
     metrics = record.get("metrics", {})
     order = [s for s in SOURCE_ORDER if s in metrics] + sorted(set(metrics) - set(SOURCE_ORDER))
     return {f"{source}.{name}": value for source in order for name, value in metrics[source].items()}

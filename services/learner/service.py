@@ -1,5 +1,8 @@
 """Learner: take one task at a time, train off the bus thread, publish the update, then ack.
 
+A learner with FEDMQ_SITES takes tasks from those sites' queues only (the scheduler routes a
+site's tasks there); otherwise it takes logical clients' tasks from the shared queue.
+
 Ack policy: a task is acked only after its ClientUpdate (or ClientFailure) is
 published, so a learner that dies mid-task leaves the task to be redelivered.
 An undecodable task is dead-lettered. On shutdown an unfinished task is
@@ -16,15 +19,21 @@ import queue
 import socket
 import threading
 import time
+from pathlib import Path
 
 import structlog
 import torch
 
+from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
-from fedmq.common.errors import BrokerUnavailable, DecodeError, FedmqError
+from fedmq.common.errors import BrokerUnavailable, DecodeError, FedmqError, ValidationError
 from fedmq.common.messages import (
     ClientFailure,
+    ClientStateGet,
+    ClientStateReply,
+    DdpLaunch,
+    DdpStop,
     EvalTask,
     Heartbeat,
     Message,
@@ -37,8 +46,10 @@ from fedmq.common.messages import (
     to_wire,
 )
 from fedmq.common.metrics import Metrics
+from fedmq.common.senders import check_sender
 from fedmq.common.settings import Settings
 from fedmq.common.usercode import UserCodeError
+from fedmq.services.learner.ddp import DdpRunner
 from fedmq.services.learner.device import resolve_device
 from fedmq.services.learner.work import Work
 
@@ -50,7 +61,8 @@ FETCH_ATTEMPTS = 5  # model fetches lost to the broker before the task goes back
 
 class LearnerService:
     def __init__(
-        self, settings: Settings, bus: Bus, replica: int | None = None, metrics: Metrics | None = None
+        self, settings: Settings, bus: Bus, replica: int | None = None, metrics: Metrics | None = None,
+        allowed: AllowList | None = None,
     ) -> None:
         self.settings = settings
         self.bus = bus
@@ -60,7 +72,7 @@ class LearnerService:
         self.node = settings.node or socket.gethostname()
         # Without a replica index (compose has none) the pid keeps names on one host apart.
         self.name = f"{self.node}/{given}" if given is not None else f"{self.node}/pid{os.getpid()}"
-        self.work = Work(settings, self.name, self._fetch, self.metrics)
+        self.work = Work(settings, self.name, self._fetch, self.metrics, self._fetch_state, allowed)
         # Picked and checked here, before the process connects anywhere: a bad FEDMQ_DEVICE is a
         # start-up error, not a learner that joins the fleet and then cannot train.
         self.work.device = resolve_device(settings.device, self.replica)
@@ -69,6 +81,7 @@ class LearnerService:
         self._stopping = False
         self._current: Delivery | None = None
         self.redelivered = 0  # tasks that reached this learner marked as redelivered
+        self.ddp = DdpRunner(bus, self.name, self.node, Path(settings.state_dir) / "learner", self._fetch)
 
     @property
     def device(self) -> torch.device:
@@ -86,20 +99,34 @@ class LearnerService:
         # A daemon thread: a stopping process does not wait for a half-done training step.
         self._worker = threading.Thread(target=self._work, name=f"train-{self.replica}", daemon=True)
         self._worker.start()
-        self.bus.consume(topology.TASKS, self.on_task, prefetch=1)
+        # A learner hosting sites takes their tasks only (its data is theirs); else any logical client's.
+        sites = self.settings.site_names
+        for name in [topology.site_queue(site) for site in sites] or [topology.TASKS]:
+            self.bus.consume(name, self.on_task, prefetch=1)
+        # Its own queue: the scheduler's launch and stop of a DDP group's rank on this learner.
+        self.bus.consume(topology.learner_queue(self.name), self.on_control, prefetch=4)
         self.bus.call_soon(self._heartbeat)
-        log.info("learner_started", learner=self.name, device=str(self.device))
+        log.info("learner_started", learner=self.name, device=str(self.device), sites=list(sites))
 
     def _heartbeat(self) -> None:
         """Tell the scheduler we are alive, and whether busy; re-armed on the bus thread."""
+        if self._stopping:
+            return  # it said goodbye (_leave): a beat now would bring it back to the table
         beat = Heartbeat(
             learner=self.name, node=self.node, replica=self.replica, device=str(self.device),
-            busy=self._current is not None, pid=os.getpid(), interval_s=self.settings.liveness_s,
+            busy=self._current is not None or self.ddp.active, pid=os.getpid(),
+            interval_s=self.settings.liveness_s, sites=list(self.settings.site_names), group=self.ddp.group,
         )
         try:
             self.bus.publish(topology.SCHEDULER, to_wire(beat))
         finally:
             self.bus.call_later(self.settings.liveness_s, self._heartbeat)
+
+    def _leave(self) -> None:
+        """Tell the scheduler this learner is gone (not lost): `fedmq learners` drops it at once."""
+        beat = Heartbeat(learner=self.name, node=self.node, replica=self.replica, device=str(self.device),
+                         pid=os.getpid(), interval_s=self.settings.liveness_s, leaving=True)
+        self.bus.publish(topology.SCHEDULER, to_wire(beat))
 
     def shutdown(self) -> None:
         """Stop taking work; safe from a signal handler (a flag, and SimpleQueue.put, which is).
@@ -109,6 +136,8 @@ class LearnerService:
         """
         self._stopping = True
         self._tasks.put(None)  # the training thread ends once its current task has
+        self.bus.call_soon_from_signal(self._leave)  # on the bus thread, before it stops
+        threading.Thread(target=self.ddp.shutdown, daemon=True).start()  # not in a signal handler
 
     def join(self, timeout: float | None = None) -> bool:
         """After shutdown(): wait for the training thread to end; False if it still trains."""
@@ -123,14 +152,45 @@ class LearnerService:
             log.warning("message_rejected", reason="decode", detail=str(exc))
             delivery.reject(f"decode: {exc}")
             return
+        try:
+            check_sender(task.type, delivery.user_id, self.settings.role_users)
+        except ValidationError as exc:
+            log.warning("message_rejected", reason=exc.reason, detail=exc.detail[:500])
+            delivery.reject(str(exc))
+            return
         if delivery.redelivered:
             self.redelivered += 1
             log.info("task_redelivered", job=task.job_id, round=task.round, client=task.client)
         self._current = delivery  # prefetch 1: at most one task is ours at a time
         self._tasks.put((task, delivery))
 
+    def on_control(self, delivery: Delivery) -> None:
+        """The scheduler's DdpLaunch and DdpStop for this learner."""
+        try:
+            msg = from_wire(delivery.body, max_bytes=self.settings.frame_bytes)
+            check_sender(msg.type, delivery.user_id, self.settings.role_users)  # type: ignore[attr-defined]
+            if not isinstance(msg, DdpLaunch | DdpStop):
+                raise DecodeError(f"unexpected message type {msg.type!r} on a learner's own queue")  # type: ignore[attr-defined]
+        except (DecodeError, ValidationError) as exc:
+            log.warning("message_rejected", reason=getattr(exc, "reason", "decode"), detail=str(exc)[:500])
+            delivery.reject(str(exc))
+            return
+        if isinstance(msg, DdpLaunch):
+            self.ddp.launch(msg, self._check_entry)
+        else:
+            self.ddp.stop(msg)
+        delivery.ack()
+
+    def _check_entry(self, entry: str) -> None:
+        """As the scheduler did: a launch may have come another way (CodeNotAllowed fails the rank)."""
+        self.work.allowed.check(entry.partition(":")[0], "entry", entry)
+
     def _work(self) -> None:
         while (item := self._tasks.get()) is not None and not self._stopping:
+            # In a DDP group: the task waits, unacked (prefetch 1: no other comes meanwhile); the
+            # round's nudge sends it to another learner if the group outlasts the round.
+            while self.ddp.active and not self._stopping:
+                time.sleep(0.5)
             self._run(*item)
 
     def _run(self, task: Task, delivery: Delivery) -> None:
@@ -208,6 +268,18 @@ class LearnerService:
         if reply.error or reply.weights is None:
             raise FedmqError(f"model {digest[:12]} unavailable: {reply.error}")
         return dict(reply.weights), len(body)
+
+    def _fetch_state(self, job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
+        """The strategy's stored state of a client, from the aggregator (request/reply over the bus)."""
+        request = to_wire(ClientStateGet(job_id=job_id, round=server_round, client=client))
+        try:
+            body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
+        except Exception as exc:  # the transport's trouble, like a model fetch's
+            raise BrokerUnavailable(f"client state fetch failed: {type(exc).__name__}: {exc}") from exc
+        reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ClientStateReply)
+        if reply.error or reply.state is None:
+            raise FedmqError(f"client {client}'s state for round {server_round} unavailable: {reply.error}")
+        return dict(reply.state)
 
 
 def _task(msg: Message) -> Task:

@@ -1,7 +1,9 @@
 """A learner's work on one task: the job's Task, its clients' data and models, no bus.
 
     TrainTask ─▶ global weights (cache by digest, else fetched) ─▶ client data (bounded cache)
-              ─▶ Task.train or fedmq's loop over Task.loss ─▶ ClientUpdate
+              ─▶ Task.train or fedmq's loop over Task.loss ─▶ ClientUpdate (the weights, or with
+              the job's `compression` their encoded delta, and topk's new residual in the extras,
+              quantized to the job's `residual` dtype)
     EvalTask  ─▶ the same weights and data ─▶ Task.evaluate on the client's val data ─▶ EvalReport
 
 A learner loads data only for the clients it serves, when it first serves them, and keeps at
@@ -19,14 +21,20 @@ import structlog
 import torch
 from torch import nn
 
+from fedmq.common.allowlist import AllowList, CodeNotAllowed
+from fedmq.common.codec.compress import CompressionSpec, Residual
+from fedmq.common.codec.updates import check_no_prefix, compress_update, split_residual, with_prefix
+from fedmq.common.coderefs import check_code
 from fedmq.common.errors import FedmqError
 from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
 from fedmq.common.messages import ClientUpdate, EvalReport, EvalTask, TrainTask
 from fedmq.common.metrics import Metrics
 from fedmq.common.seeding import torch_generator
 from fedmq.common.settings import Settings
+from fedmq.common.strategy.contract import CLIENT_STATE
 from fedmq.common.task.contract import ClientData, EvalContext, TrainContext, TrainSettings
 from fedmq.common.task.runtime import TaskRuntime
+from fedmq.common.usercode import UserCodeError
 
 log = structlog.get_logger("fedmq.learner")
 
@@ -34,6 +42,11 @@ MODEL_CACHE = 2  # the current round's weights, and the previous one for straggl
 JOB_CACHE = 4  # jobs whose Task and model a learner keeps between tasks
 
 Fetch = Callable[[str, str], tuple[dict[str, torch.Tensor], int]]  # (job id, digest) -> (weights, bytes)
+FetchState = Callable[[str, int, int], dict[str, torch.Tensor]]  # (job id, round, client) -> its state
+
+
+def _no_state(job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
+    raise FedmqError("this learner cannot fetch client state")
 
 
 @dataclass
@@ -72,14 +85,67 @@ class ClientDataCache:
         return len(self._data)
 
 
+def load_global(model: nn.Module, weights: dict[str, torch.Tensor], server_round: int, client: int) -> None:
+    """The global weights into this learner's model; a model that differs is the Task's build_model's fault.
+
+    The aggregator built the global model with the same Task: tensors that do not match mean
+    `build_model` gave another architecture here (it read local files, the device, a global).
+    """
+    mine = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    theirs = {k: (tuple(v.shape), v.dtype) for k, v in weights.items()}
+    if mine != theirs:
+        diffs = [
+            f"{name}: {_shape(mine.get(name))} here, {_shape(theirs.get(name))} in the global model"
+            for name in sorted(mine.keys() | theirs.keys())
+            if mine.get(name) != theirs.get(name)
+        ]
+        raise UserCodeError(
+            "build_model", "ValueError",
+            "the model built on this learner does not match the global model the aggregator built "
+            f"({'; '.join(diffs[:3])}{'; ...' if len(diffs) > 3 else ''}): build_model must give the "
+            "same architecture in every process",
+            round=server_round, client=client,
+        )
+    model.load_state_dict(weights)
+
+
+def compressed(
+    update: ClientUpdate, global_weights: dict[str, torch.Tensor], spec: CompressionSpec,
+    residual: Residual | None,
+) -> ClientUpdate:
+    """The update as the job sends it: unchanged without compression, else its encoded delta.
+
+    `residual` is the client's topk residual as the aggregator kept it (None or empty: none yet).
+    """
+    if spec.codec == "none":
+        return update
+    try:
+        check_no_prefix(update.extras, "TrainResult.extras")
+    except ValueError as exc:
+        raise FedmqError(str(exc)) from None
+    encoded, new_residual = compress_update(update.weights, global_weights, spec, residual)
+    extras = update.extras | (with_prefix(new_residual) if new_residual is not None else {})
+    return update.model_copy(update={"weights": {}, "delta": encoded.tensors, "compression": encoded.meta,
+                                     "extras": extras})
+
+
+def _shape(spec: tuple[tuple[int, ...], torch.dtype] | None) -> str:
+    return "missing" if spec is None else f"{list(spec[0])} {str(spec[1]).removeprefix('torch.')}"
+
+
 class Work:
     """Trains and evaluates tasks on this learner's device."""
 
-    def __init__(self, settings: Settings, name: str, fetch: Fetch, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: Settings, name: str, fetch: Fetch, metrics: Metrics,
+        fetch_state: FetchState = _no_state, allowed: AllowList | None = None,
+    ) -> None:
         self.settings = settings
+        self.allowed = allowed or AllowList.services(settings.allowed_prefixes)
         self.name = name
         self.device = torch.device("cpu")
         self.fetch = fetch
+        self.fetch_state = fetch_state
         self.metrics = metrics
         self.data = ClientDataCache(settings.data_cache_clients)
         self._jobs: OrderedDict[str, JobContext] = OrderedDict()
@@ -90,9 +156,12 @@ class Work:
         job = self._job(task.job_id, task.spec)
         started = time.perf_counter()
         weights, fetch_bytes = self._weights(task.job_id, task.model_digest)
+        fetch = task.config.get(CLIENT_STATE)
+        stored = self.fetch_state(task.job_id, task.round, task.client) if fetch else {}
+        client_state, residual = split_residual(stored)  # the strategy's, and compression's own
         fetched = time.perf_counter()
         data = self._client_data(job, task.job_id, task.client)
-        job.model.load_state_dict(weights)
+        load_global(job.model, weights, task.round, task.client)
         t = job.spec.train
         ctx = TrainContext(
             client=task.client, round=task.round, seed=job.spec.seed, device=self.device,
@@ -101,6 +170,7 @@ class Work:
                                 weight_decay=t.weight_decay, options=t.options),
             generator=torch_generator(job.spec.seed, "train", task.round, task.client),
             global_weights=weights, config=task.config,
+            client_state={k: v.to(self.device) for k, v in client_state.items()},
         )
         result = job.runtime.train(job.model, data, ctx)
         if result.num_examples == 0:
@@ -109,21 +179,26 @@ class Work:
         seconds = time.perf_counter() - fetched
         self.metrics.train_seconds.observe(seconds)
         log.info("task_trained", examples=result.num_examples, seconds=round(seconds, 4),
-                 loss=round(result.metrics.get("loss", float("nan")), 4))
-        return ClientUpdate(
+                 loss=round(result.metrics.get("loss", float("nan")), 4),
+                 site=job.spec.clients.site(task.client))
+        update = ClientUpdate(
             job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
             base_digest=task.model_digest, num_examples=result.num_examples, metrics=dict(result.metrics),
             train_seconds=seconds, fetch_seconds=fetched - started, fetch_bytes=fetch_bytes,
-            learner=self.name, weights=state,
+            learner=self.name, weights=state, extras=dict(result.extras),
         )
+        return compressed(update, weights, job.spec.compression, residual)
 
     def evaluate(self, task: EvalTask) -> EvalReport:
         job = self._job(task.job_id, task.spec)
-        weights, _ = self._weights(task.job_id, task.model_digest)
+        started = time.perf_counter()
+        weights, fetch_bytes = self._weights(task.job_id, task.model_digest)
+        fetch_seconds = time.perf_counter() - started
         data = self._client_data(job, task.job_id, task.client)
-        job.model.load_state_dict(weights)
+        load_global(job.model, weights, task.round, task.client)
         report = EvalReport(job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
-                            num_examples=0, learner=self.name)
+                            num_examples=0, learner=self.name, fetch_bytes=fetch_bytes,
+                            fetch_seconds=fetch_seconds)
         if data.val is None:
             return report  # this client holds no validation data
         ctx = EvalContext(round=task.round, seed=job.spec.seed, device=self.device,
@@ -138,7 +213,13 @@ class Work:
         job = self._jobs.get(job_id)  # a job's spec never changes after submission
         if job is None:
             spec = parse_job(raw_spec)
-            runtime = TaskRuntime.for_job(spec)
+            try:
+                check_code(spec, self.allowed)  # as the scheduler did: this task may have come another way
+                runtime = TaskRuntime.for_job(spec, self.allowed)
+            except CodeNotAllowed as exc:
+                log.warning("job_code_refused", what=exc.what, module=exc.module)
+                self.metrics.refused_code(exc.what)
+                raise
             job = JobContext(spec, runtime, runtime.build_model().to(self.device))
             self._jobs[job_id] = job
             while len(self._jobs) > JOB_CACHE:

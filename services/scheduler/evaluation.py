@@ -16,11 +16,11 @@ from typing import Any
 
 import structlog
 
-from fedmq.common.bus import topology
 from fedmq.common.messages import EvalReport, EvalTask, RoundClosed, to_wire
 from fedmq.services.scheduler.jobs import COMPLETED, SchedJob
 from fedmq.services.scheduler.loop import JobLoop
 from fedmq.services.scheduler.records import (
+    add_eval_sync,
     better,
     combine_reports,
     eval_clients,
@@ -44,13 +44,16 @@ class EvaluationLoop(JobLoop):
             return
         if self._recorded(job, msg.round):
             return
-        job.model_digest = msg.model_digest
+        job.model_digest, job.config = msg.model_digest, dict(msg.config)
         state = job.state
         if state is None:  # round 0: the initial model
             record = round_record(msg, job.sync, clients=0, failed=0, seconds=0.0)
         else:
             seconds = time.monotonic() - state.started
             record = round_record(msg, job.sync, len(state.reported), len(state.failed), seconds)
+            unserved = [c for c, phase in state.phases.items() if phase == "placement"]
+            if unserved:  # sites no live learner hosted: dropped clients, named in the history
+                record["unserved_sites"] = sorted(str(job.spec.clients.site(c)) for c in unserved)
         if federated_due(job.spec, msg.round):
             self.start_evaluation(job, record)
         else:
@@ -61,13 +64,14 @@ class EvaluationLoop(JobLoop):
         fed = job.spec.evaluate.federated
         assert fed is not None
         clients = eval_clients(job.spec, record["round"])
-        self._dispatch_eval(job, record["round"], clients)
+        unserved = self._dispatch_eval(job, record["round"], clients)
         job.pending, job.eval_reports = record, {}
         job.evaluation = RoundState(
             round=record["round"], clients=clients, quorum=min(fed.quorum, len(clients)),
             deadline=time.monotonic() + job.spec.round_timeout_s, retries_left=job.spec.max_round_retries,
             started=time.monotonic(),
         )
+        self._drop_unserved(job, job.evaluation, unserved)
         self._arm_deadline(job)
 
     def eval_report(self, job: SchedJob, msg: EvalReport) -> None:
@@ -80,6 +84,8 @@ class EvaluationLoop(JobLoop):
             job.eval_reports[msg.client] = {
                 "num_examples": msg.num_examples, "metrics": msg.metrics, "reduction": msg.reduction,
             }
+            if job.pending is not None:  # the model a learner fetched to evaluate counts in the round's sync
+                add_eval_sync(job.pending.setdefault("sync", {}), msg)
             self._advance_evaluation(job)
 
     def _advance_evaluation(self, job: SchedJob) -> None:
@@ -89,8 +95,9 @@ class EvaluationLoop(JobLoop):
         if decision is Decision.WAIT:
             return
         if decision is Decision.RETRY:
-            self._dispatch_eval(job, evaluation.round, evaluation.missing)
+            unserved = self._dispatch_eval(job, evaluation.round, evaluation.missing)
             evaluation.retry(time.monotonic() + job.spec.round_timeout_s)
+            self._drop_unserved(job, evaluation, unserved)
             self._arm_deadline(job)
             return
         if decision is Decision.CLOSE:
@@ -103,13 +110,17 @@ class EvaluationLoop(JobLoop):
         self._cancel_timers(job)
         self._complete_round(job, record)
 
-    def _dispatch_eval(self, job: SchedJob, server_round: int, clients: list[int]) -> None:
+    def _dispatch_eval(self, job: SchedJob, server_round: int, clients: list[int]) -> list[int]:
+        unserved = self._unserved(job, clients)
         for client in clients:
+            if client in unserved:
+                continue
             task = EvalTask(
                 job_id=job.job_id, task_id=f"{job.job_id}:e{server_round}:{client}", round=server_round,
                 client=client, model_digest=job.model_digest, spec=job.raw_spec,
             )
-            self.bus.publish(topology.TASKS, to_wire(task))
+            self.bus.publish(self._task_queue(job, client), to_wire(task))
+        return unserved
 
     def _complete_round(self, job: SchedJob, record: dict[str, Any]) -> None:
         """The round's record is whole: keep it, tell watchers, then the next round or the end."""

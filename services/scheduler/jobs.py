@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ class SchedJob:
     status: str = RUNNING
     round: int = 0
     model_digest: str = ""
+    config: dict[str, Any] = field(default_factory=dict)  # the strategy's config for the next round's tasks
     state: RoundState | None = None
     timer: Timer | None = None
     nudge: Timer | None = None
@@ -36,6 +38,15 @@ class SchedJob:
 
     error: dict[str, Any] | None = None  # where user code raised, when that ended the job
     accepted_at: float = 0.0  # wall clock: the start deadline counts from here, across restarts
+    finished_at: float = 0.0  # wall clock: when it completed, failed or was cancelled
+    group: dict[str, Any] | None = None  # a DDP job's group: members, attempt, exits (scheduler/ddp.py)
+
+    @property
+    def wall_seconds(self) -> float | None:
+        """From acceptance to the end (or to now while it runs); None if not known."""
+        if not self.accepted_at:
+            return None
+        return (self.finished_at or time.time()) - self.accepted_at
 
     @property
     def active(self) -> RoundState | None:

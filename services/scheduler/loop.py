@@ -19,11 +19,21 @@ import structlog
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
 from fedmq.common.errors import StateUnwritable
-from fedmq.common.messages import EventKind, JobEvent, RoundClose, RoundOpen, TrainTask, to_wire
+from fedmq.common.messages import (
+    DdpStop,
+    EventKind,
+    FailedClient,
+    JobEvent,
+    RoundClose,
+    RoundOpen,
+    TrainTask,
+    to_wire,
+)
 from fedmq.common.metrics import Metrics
 from fedmq.common.settings import Settings
 from fedmq.common.stateretry import StateRetry
 from fedmq.services.scheduler.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, SchedJob
+from fedmq.services.scheduler.registry import Registry
 from fedmq.services.scheduler.rounds import Decision, RoundState
 from fedmq.services.scheduler.sampling import sample_clients
 from fedmq.services.scheduler.store import JobRows
@@ -43,7 +53,10 @@ class JobLoop:
     rows: JobRows
     retry: StateRetry
 
-    def _dispatch_eval(self, job: SchedJob, server_round: int, clients: list[int]) -> None:
+    registry: Registry
+    grace_until: float  # monotonic: until then, no site counts as unserved (see _hearing_learners)
+
+    def _dispatch_eval(self, job: SchedJob, server_round: int, clients: list[int]) -> list[int]:
         raise NotImplementedError  # evaluation.EvaluationLoop
 
     def _advance_evaluation(self, job: SchedJob) -> None:
@@ -59,7 +72,7 @@ class JobLoop:
             topology.AGGREGATOR,
             to_wire(RoundOpen(job_id=job.job_id, round=server_round, clients=clients)),
         )
-        self._dispatch(job, server_round, clients)
+        unserved = self._dispatch(job, server_round, clients)
         job.round, job.sync = server_round, {}
         job.state = RoundState(
             round=server_round,
@@ -69,11 +82,44 @@ class JobLoop:
             retries_left=spec.max_round_retries,
             started=time.monotonic(),
         )
+        self._drop_unserved(job, job.state, unserved)
         self._arm_deadline(job)
         self._event(job.job_id, "round_started", round=server_round, data={"clients": len(clients)})
 
-    def _dispatch(self, job: SchedJob, server_round: int, clients: list[int]) -> None:
+    def _unserved(self, job: SchedJob, clients: list[int]) -> list[int]:
+        """The clients that are sites no alive learner hosts: their tasks are not sent this time."""
+        if job.spec.clients.sites is None or self._hearing_learners():
+            return []
+        hosted = self.registry.hosted_sites()
+        return [c for c in clients if job.spec.clients.site(c) not in hosted]
+
+    def _hearing_learners(self) -> bool:
+        """Just started: an alive learner beats every FEDMQ_LIVENESS_S, so until then (and a half)
+        its heartbeat may not have come, and no site counts as unserved: its tasks wait in its queue,
+        and the round's deadline drops a site that is really gone."""
+        return time.monotonic() < self.grace_until
+
+    def _drop_unserved(self, job: SchedJob, state: RoundState, unserved: list[int]) -> None:
+        """Sites without a live learner are dropped clients of this attempt, visibly, under the quorum."""
+        for client in unserved:
+            site = job.spec.clients.site(client)
+            state.record_failure(client, f"no_site_learner: no live learner hosts site {site}", "placement")
+            self.metrics.client_failures.labels("no_site_learner").inc()
+        if unserved:
+            log.warning("sites_unserved", round=state.round,
+                        sites=[job.spec.clients.site(c) for c in unserved])
+
+    def _task_queue(self, job: SchedJob, client: int) -> str:
+        """Where a client's task goes: its site's queue, or the shared queue of logical clients."""
+        site = job.spec.clients.site(client)
+        return topology.TASKS if site is None else topology.site_queue(site)
+
+    def _dispatch(self, job: SchedJob, server_round: int, clients: list[int]) -> list[int]:
+        """Send the clients' training tasks; returns the sites' clients not sent (no learner hosts them)."""
+        unserved = self._unserved(job, clients)
         for client in clients:
+            if client in unserved:
+                continue
             task = TrainTask(
                 job_id=job.job_id,
                 task_id=f"{job.job_id}:{server_round}:{client}",
@@ -81,8 +127,10 @@ class JobLoop:
                 client=client,
                 model_digest=job.model_digest,
                 spec=job.raw_spec,
+                config=job.config,
             )
-            self.bus.publish(topology.TASKS, to_wire(task))
+            self.bus.publish(self._task_queue(job, client), to_wire(task))
+        return unserved
 
     def _cancel_timers(self, job: SchedJob) -> None:
         for timer in (job.timer, job.nudge):
@@ -112,11 +160,12 @@ class JobLoop:
         if active.closing or not missing:
             return
         log.info("round_redispatch", round=server_round, missing=len(missing))
-        self.metrics.tasks_redispatched.inc(len(missing))
         if job.evaluation is not None:
-            self._dispatch_eval(job, server_round, missing)
+            unserved = self._dispatch_eval(job, server_round, missing)
         else:
-            self._dispatch(job, server_round, missing)
+            unserved = self._dispatch(job, server_round, missing)
+        self.metrics.tasks_redispatched.inc(len(missing) - len(unserved))
+        self._drop_unserved(job, active, unserved)
 
     def _on_deadline(self, job_id: str, server_round: int) -> None:
         job = self.jobs.get(job_id)
@@ -152,8 +201,7 @@ class JobLoop:
             log.info("round_closing", reported=len(clients), sampled=len(state.clients),
                      failed=len(state.failed))
             self.bus.publish(  # first: if it fails, the message that got us here comes again
-                topology.AGGREGATOR,
-                to_wire(RoundClose(job_id=job.job_id, round=state.round, clients=clients)),
+                topology.AGGREGATOR, to_wire(round_close(job.job_id, state, kept_checkpoints(job))),
             )
             state.closing = True
             self._cancel_timers(job)
@@ -161,8 +209,9 @@ class JobLoop:
             missing = state.missing
             log.warning("round_retry", missing=len(missing), retries_left=state.retries_left - 1)
             self.metrics.round_retries.inc()
-            self._dispatch(job, state.round, missing)  # a failure: the message comes again, or the timer
+            unserved = self._dispatch(job, state.round, missing)  # a failure: the message comes again
             state.retry(time.monotonic() + job.spec.round_timeout_s)
+            self._drop_unserved(job, state, unserved)
             self._arm_deadline(job)
         elif decision is Decision.FAIL:
             reasons = sorted(set(state.failed.values()))[:3]
@@ -182,10 +231,14 @@ class JobLoop:
         if job is None or job.status != RUNNING or job.round > 0:
             return
         limit = self.settings.job_start_timeout_s
+        if job.spec.ddp is not None:
+            nodes = f" on nodes {job.spec.ddp.nodes}" if job.spec.ddp.nodes else ""
+            why = f"fewer than {job.spec.ddp.world_size} idle learners{nodes} (`fedmq learners`)"
+        else:
+            why = ("the aggregator never reported its initial model (is `fedmq aggregator` running on this "
+                   "broker and vhost? its log says why)")
         self._finish(job, FAILED, (
-            f"job did not start within {limit:g} s: the aggregator never reported its initial model "
-            "(is `fedmq aggregator` running on this broker and vhost? its log says why); "
-            "FEDMQ_JOB_START_TIMEOUT_S sets this limit"
+            f"job did not start within {limit:g} s: {why}; FEDMQ_JOB_START_TIMEOUT_S sets this limit"
         ))
         self._save(job)
 
@@ -194,8 +247,16 @@ class JobLoop:
     ) -> None:
         """End the job; `error`: where its user code raised (then in the event's data too)."""
         job.status, job.reason, job.error = status, reason, error
+        job.finished_at = time.time()
+        if job.group and job.group.get("members"):  # cancelled, or failed otherwise: its ranks end too
+            for name in job.group["members"]:
+                stop = DdpStop(job_id=job.job_id, attempt=job.group["attempt"])
+                self.bus.publish(topology.learner_queue(name), to_wire(stop))
+            job.group["members"] = {}
         if error is not None:
             data["error"] = error
+        if job.wall_seconds is not None:
+            data["wall_seconds"] = round(job.wall_seconds, 3)
         self._cancel_timers(job)
         kind: EventKind = {COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled"}[status]  # type: ignore[assignment]
         self._event(job.job_id, kind, round=job.round, data={"reason": reason, **data})
@@ -205,3 +266,16 @@ class JobLoop:
                rounds: int | None = None, data: dict[str, Any] | None = None) -> None:
         event = JobEvent(job_id=job_id, kind=kind, round=round, rounds=rounds, data=data or {})
         self.bus.publish_event(topology.job_topic(job_id), to_wire(event))
+
+
+def round_close(job_id: str, state: RoundState, keep: list[str] | None = None) -> RoundClose:
+    """The RoundClose of a round: the clients that reported, why the others did not, and the
+    checkpoints the aggregator must keep however few it retains (`keep`: see kept_checkpoints)."""
+    failed = [FailedClient(client=c, reason=r[:2000], phase=p[:64]) for c, r, p in state.unreported()]
+    return RoundClose(job_id=job_id, round=state.round, clients=sorted(state.reported), failed=failed,
+                      keep=keep or [])
+
+
+def kept_checkpoints(job: SchedJob) -> list[str]:
+    """The checkpoints only the scheduler knows to be needed: the best round's so far."""
+    return [str(job.best["model_digest"])] if job.best and job.best.get("model_digest") else []

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from fedmq.common.jobspec import JobSpec
-from fedmq.common.messages import RoundClosed, UpdateAccepted
+from fedmq.common.messages import EvalReport, RoundClosed, UpdateAccepted
 from fedmq.common.seeding import numpy_rng
 from fedmq.common.task.metrics import lookup, reduce_metrics
 
@@ -23,6 +23,12 @@ def add_sync(sync: dict[str, float], msg: UpdateAccepted) -> None:
         ("bytes_up", msg.bytes), ("bytes_down", msg.fetch_bytes),
     ):
         sync[key] = sync.get(key, 0.0) + value
+
+
+def add_eval_sync(sync: dict[str, float], msg: EvalReport) -> None:
+    """Add the global model a client's evaluation fetched to its round's sums."""
+    sync["bytes_down"] = sync.get("bytes_down", 0.0) + msg.fetch_bytes
+    sync["fetch_seconds"] = sync.get("fetch_seconds", 0.0) + msg.fetch_seconds
 
 
 def federated_due(spec: JobSpec, server_round: int) -> bool:

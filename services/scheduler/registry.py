@@ -47,6 +47,8 @@ class LearnerInfo:
     local_rank: int | None
     node_rank: int | None
     world_size: int
+    sites: tuple[str, ...] = ()
+    group: str = ""  # the DDP group it runs a rank of (job/attempt)
 
     def as_dict(self, now: float) -> dict[str, Any]:
         """JSON-friendly row: every field but the process-local `last_seen`, plus `age_s`."""
@@ -62,6 +64,8 @@ class LearnerInfo:
             "local_rank": self.local_rank,
             "node_rank": self.node_rank,
             "world_size": self.world_size,
+            "sites": list(self.sites),
+            "group": self.group,
             "age_s": round(max(0.0, now - self.last_seen), AGE_DIGITS),
         }
         return row
@@ -182,6 +186,10 @@ class Registry:
         limit = self.dead_after_intervals
         return self._rows(lambda entry: entry.alive and now <= entry.deadline(limit))
 
+    def hosted_sites(self) -> set[str]:
+        """The sites some alive learner hosts (as of the last sweep)."""
+        return {site for entry in self._entries.values() if entry.alive for site in entry.hb.sites}
+
     @property
     def alive_count(self) -> int:
         return sum(entry.alive for entry in self._entries.values())
@@ -219,4 +227,6 @@ def _info(entry: _Entry, ranks: Ranks | None, world_size: int) -> LearnerInfo:
         local_rank=None if ranks is None else ranks.local_rank,
         node_rank=None if ranks is None else ranks.node_rank,
         world_size=world_size,
+        sites=tuple(hb.sites),
+        group=hb.group,
     )

@@ -29,6 +29,7 @@ class RoundState:
     started: float = 0.0
     reported: dict[int, int] = field(default_factory=dict)  # client → examples
     failed: dict[int, str] = field(default_factory=dict)  # client → reason
+    phases: dict[int, str] = field(default_factory=dict)  # client → where it failed (for the strategy)
     closing: bool = False
 
     def record_update(self, client: int, num_examples: int) -> bool:
@@ -37,13 +38,23 @@ class RoundState:
             return False
         self.reported[client] = num_examples
         self.failed.pop(client, None)
+        self.phases.pop(client, None)
         return True
 
-    def record_failure(self, client: int, reason: str) -> bool:
+    def record_failure(self, client: int, reason: str, phase: str = "error") -> bool:
         if self.closing or client not in self.clients or client in self.reported:
             return False
         self.failed[client] = reason
+        self.phases[client] = phase
         return True
+
+    def unreported(self) -> list[tuple[int, str, str]]:
+        """(client, reason, phase) of each sampled client without an update: failed, or silent."""
+        return [
+            (c, self.failed[c], self.phases.get(c, "error")) if c in self.failed
+            else (c, "no update by the round's deadline", "timeout")
+            for c in self.missing
+        ]
 
     @property
     def missing(self) -> list[int]:
@@ -66,4 +77,5 @@ class RoundState:
         self.retries_left -= 1
         self.deadline = deadline
         self.failed.clear()
+        self.phases.clear()
         return self.missing

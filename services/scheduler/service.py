@@ -3,7 +3,9 @@
 Control plane only: no torch. Ack policy: messages on fedmq.scheduler are acked
 once their effect is published; undecodable ones and invalid job specs are
 rejected (dead-lettered) with the reason, and a spec error also fails the job
-visibly so `fedmq watch` can say why. The round loop itself is loop.JobLoop.
+visibly so `fedmq watch` can say why. A spec naming code outside the allow-list
+(FEDMQ_ALLOWED_CODE) is such an error: refused before any service imports it.
+The round loop itself is loop.JobLoop.
 
 Failures: a JobFailed (the aggregator's user code raised, or its spec failed) ends
 the job with its reason; a ClientFailure carrying a user-code error ends it too,
@@ -18,15 +20,20 @@ from __future__ import annotations
 import functools
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import structlog
 
+from fedmq.common.allowlist import AllowList, CodeNotAllowed
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
+from fedmq.common.coderefs import check_code
 from fedmq.common.errors import ConfigError, DecodeError, StateUnwritable, ValidationError
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientFailure,
+    DdpExit,
+    DdpStored,
     EvalReport,
     Heartbeat,
     JobCancel,
@@ -34,7 +41,6 @@ from fedmq.common.messages import (
     JobFailed,
     JobSubmit,
     Message,
-    RoundClose,
     RoundClosed,
     StatusRequest,
     UpdateAccepted,
@@ -42,10 +48,15 @@ from fedmq.common.messages import (
     to_wire,
 )
 from fedmq.common.metrics import Metrics, reason_label
+from fedmq.common.senders import check_sender, check_site_sender
 from fedmq.common.settings import Settings
+from fedmq.common.speclimits import SpecTooLarge
 from fedmq.common.stateretry import StateRetry
+from fedmq.services.scheduler.ddp import DdpLoop, new_group
 from fedmq.services.scheduler.evaluation import EvaluationLoop
 from fedmq.services.scheduler.jobs import CANCELLED, FAILED, RUNNING, SchedJob
+from fedmq.services.scheduler.limits import check_submission
+from fedmq.services.scheduler.loop import kept_checkpoints, round_close
 from fedmq.services.scheduler.records import add_sync
 from fedmq.services.scheduler.registry import Registry
 from fedmq.services.scheduler.status import status_reply
@@ -54,13 +65,18 @@ from fedmq.services.scheduler.store import JobRows
 log = structlog.get_logger("fedmq.scheduler")
 
 
-class SchedulerService(EvaluationLoop):
-    def __init__(self, settings: Settings, bus: Bus, metrics: Metrics | None = None) -> None:
+class SchedulerService(EvaluationLoop, DdpLoop):
+    def __init__(
+        self, settings: Settings, bus: Bus, metrics: Metrics | None = None, allowed: AllowList | None = None
+    ) -> None:
         self.settings = settings
+        self.senders = settings.role_users
         self.bus = bus
         self.metrics = metrics or Metrics()
+        self.allowed = allowed or AllowList.services(settings.allowed_prefixes)
         self.jobs: dict[str, SchedJob] = {}
         self.registry = Registry(master_node=settings.master_node)
+        self.grace_until = time.monotonic() + 1.5 * settings.liveness_s
         self.rows = JobRows(Path(settings.state_dir) / "scheduler" / "jobs.sqlite")
         self.retry = StateRetry(bus, self.metrics, settings)
 
@@ -70,6 +86,11 @@ class SchedulerService(EvaluationLoop):
         self.bus.consume(topology.SCHEDULER, self.on_message, prefetch=8)
         self.bus.call_later(1.0, self._sweep)
 
+    def learners_heard(self) -> None:
+        """Every learner there is has beaten (an embedded cluster knows its own): sites without one
+        are unserved from now on, not after the start-up grace."""
+        self.grace_until = 0.0
+
     def _resume(self) -> None:
         """Pick every unfinished job up where the last process left it."""
         for fields in self.rows.load():
@@ -78,7 +99,10 @@ class SchedulerService(EvaluationLoop):
             if job.status != RUNNING:
                 continue
             log.info("job_resumed", job=job.job_id, round=job.round)
-            if job.state is None:
+            if job.spec.ddp is not None:  # its group goes on, or is launched again (ddp_tick)
+                if job.round == 0:
+                    self._arm_start(job)
+            elif job.state is None:
                 # Created but its initial model never reported: ask again (duplicates are answered).
                 self.bus.call_soon(functools.partial(self._republish_create, job))
                 self._arm_start(job)
@@ -92,7 +116,7 @@ class SchedulerService(EvaluationLoop):
 
     def _republish_close(self, job: SchedJob) -> None:
         assert job.state is not None
-        close = RoundClose(job_id=job.job_id, round=job.state.round, clients=sorted(job.state.reported))
+        close = round_close(job.job_id, job.state, kept_checkpoints(job))
         self.bus.publish(topology.AGGREGATOR, to_wire(close))
 
     def _sweep(self) -> None:
@@ -100,18 +124,20 @@ class SchedulerService(EvaluationLoop):
             for name in self.registry.sweep(time.monotonic()):
                 log.warning("learner_lost", learner=name, alive=self.registry.alive_count)
             self._gauge_fleet()
+            self.ddp_tick()
         finally:
             self.bus.call_later(1.0, self._sweep)
 
     def on_message(self, delivery: Delivery) -> None:
         try:
             msg = from_wire(delivery.body, max_bytes=self.settings.frame_bytes)
+            check_sender(msg.type, delivery.user_id, self.senders)  # type: ignore[attr-defined]
             if isinstance(msg, Heartbeat | StatusRequest):
                 self._answer(msg, delivery)
                 delivery.ack()
                 return
             with structlog.contextvars.bound_contextvars(job=msg.job_id, round=getattr(msg, "round", None)):
-                self._handle(msg)
+                self._handle(msg, delivery.user_id)
             if msg.job_id in self.jobs:
                 self.rows.save(self.jobs[msg.job_id])  # durable before the ack
         except StateUnwritable as exc:
@@ -137,13 +163,23 @@ class SchedulerService(EvaluationLoop):
     def _answer(self, msg: Heartbeat | StatusRequest, delivery: Delivery) -> None:
         now = time.monotonic()
         if isinstance(msg, Heartbeat):
+            if msg.leaving:
+                self.registry.forget(msg.learner)
+                log.info("learner_left", learner=msg.learner, alive=self.registry.alive_count)
+                return
+            bound = self.settings.users_of_sites  # a learner hosts only the sites its user may serve
+            sites = [s for s in msg.sites if s not in bound or delivery.user_id in bound[s]]
+            if sites != msg.sites:
+                log.warning("heartbeat_sites_refused", learner=msg.learner,
+                            sites=sorted(set(msg.sites) - set(sites)), user=delivery.user_id)
+                msg = msg.model_copy(update={"sites": sites})
             if self.registry.heartbeat(msg, now):
                 log.info("learner_joined", learner=msg.learner, device=msg.device,
                          alive=self.registry.alive_count)
             return
         self.bus.reply(delivery, to_wire(status_reply(msg, self.jobs, self.registry, now)))
 
-    def _handle(self, msg: Message) -> None:
+    def _handle(self, msg: Message, user_id: str | None = None) -> None:
         if isinstance(msg, JobSubmit):
             self.submit(msg)
             return
@@ -153,6 +189,8 @@ class SchedulerService(EvaluationLoop):
         if job.status != RUNNING:
             log.info("ignored_finished_job", type=msg.type)  # type: ignore[attr-defined]
             return
+        if isinstance(msg, EvalReport | ClientFailure) and msg.client < job.spec.clients.total:
+            check_site_sender(job.spec.clients.site(msg.client), user_id, self.settings.users_of_sites)
         match msg:
             case RoundClosed():
                 self.round_closed(job, msg)
@@ -176,8 +214,14 @@ class SchedulerService(EvaluationLoop):
                 if job.state and job.state.round == msg.round:
                     log.warning("client_failed", client=msg.client, code=msg.code, reason=msg.reason)
                     self.metrics.client_failures.labels(reason_label(msg.code)).inc()
-                    job.state.record_failure(msg.client, f"{msg.code}: {msg.reason}")
+                    phase = msg.error.phase if msg.error is not None else msg.code
+                    phase = "error" if phase == "placement" else phase  # the scheduler's own word
+                    job.state.record_failure(msg.client, f"{msg.code}: {msg.reason}", phase)
                     self._advance(job)
+            case DdpExit():
+                self.ddp_exit(job, msg)
+            case DdpStored():
+                self.ddp_stored(job, msg)
             case JobFailed():
                 error = None if msg.error is None else msg.error.model_dump()
                 self._finish(job, FAILED, msg.reason, error=error)
@@ -194,15 +238,37 @@ class SchedulerService(EvaluationLoop):
             return
         try:
             spec = parse_job(msg.spec)
+            check_code(spec, self.allowed)  # before any service imports what the spec names
+        except CodeNotAllowed as exc:
+            log.warning("job_code_refused", what=exc.what, module=exc.module)
+            self.metrics.refused_code(exc.what)
+            self._event(msg.job_id, "failed", data={"reason": str(exc)})
+            raise ValidationError("code_not_allowed", str(exc)) from None
+        except SpecTooLarge as exc:
+            self._refuse(msg, exc.limit, str(exc))
         except ConfigError as exc:
             self._event(msg.job_id, "failed", data={"reason": str(exc)})
             raise ValidationError("invalid_spec", str(exc)) from None
+        running = sum(job.status == RUNNING for job in self.jobs.values())
+        refusal = check_submission(spec, self.settings, running)
+        if refusal is not None:
+            self._refuse(msg, refusal.limit, refusal.message)
         # Publish before remembering: if the publish fails, the redelivered JobSubmit starts over.
-        self.bus.publish(topology.AGGREGATOR, to_wire(JobCreate(job_id=msg.job_id, spec=msg.spec)))
+        if spec.ddp is None:  # a DDP job has no model until its rank 0 sends one
+            self.bus.publish(topology.AGGREGATOR, to_wire(JobCreate(job_id=msg.job_id, spec=msg.spec)))
         job = SchedJob(msg.job_id, spec, msg.spec, accepted_at=time.time())
         self.jobs[msg.job_id] = job
+        if spec.ddp is not None:
+            job.group = new_group(job)
         self._arm_start(job)
         objective = None if spec.objective is None else spec.objective.model_dump()
         data = {"name": spec.name, "objective": objective}
         self._event(job.job_id, "accepted", rounds=spec.rounds, data=data)
         log.info("job_accepted", name=spec.name, rounds=spec.rounds, clients=spec.clients.total)
+
+    def _refuse(self, msg: JobSubmit, limit: str, reason: str) -> NoReturn:
+        """A submission past a limit: the job fails visibly, the message is dead-lettered, both counted."""
+        log.warning("job_refused", limit=limit, reason=reason[:500])
+        self.metrics.refused(limit)
+        self._event(msg.job_id, "failed", data={"reason": reason, "limit": limit})
+        raise ValidationError("over_limit", reason)

@@ -33,7 +33,7 @@ def status_reply(
 
 
 def job_summary(job: SchedJob, now: float, history: bool) -> dict[str, Any]:
-    """One job's row: status, round, last metrics, and the open round's bookkeeping."""
+    """One job's row: status, round, last metrics, the open round's bookkeeping (`history`: rounds, spec)."""
     last = job.history[-1] if job.history else {}
     summary: dict[str, Any] = {
         "job_id": job.job_id,
@@ -47,6 +47,7 @@ def job_summary(job: SchedJob, now: float, history: bool) -> dict[str, Any]:
         "reason": job.reason,
         "error": job.error,
         "model_path": last.get("model_path"),
+        "wall_seconds": None if job.wall_seconds is None else round(job.wall_seconds, 3),
     }
     if job.state is not None and job.status == RUNNING:
         summary["reported"] = len(job.state.reported)
@@ -56,4 +57,5 @@ def job_summary(job: SchedJob, now: float, history: bool) -> dict[str, Any]:
         summary["deadline_in_s"] = round(job.state.deadline - now, 1)
     if history:
         summary["history"] = job.history
+        summary["spec"] = job.raw_spec  # what `fedmq model` writes into a downloaded model file
     return summary

@@ -25,9 +25,36 @@ class Cluster:
         self.env = {
             # On the CPU, as the embedded runs the tests compare with: a GPU gives other last bits.
             **os.environ, "FEDMQ_BROKER_URL": url, "FEDMQ_LOG_FORMAT": "json", "FEDMQ_DEVICE": "cpu",
+            # The tests' own Tasks and strategies: services import a job's code from nowhere else.
+            "FEDMQ_ALLOWED_CODE": "tests,examples",
             "FEDMQ_LIVENESS_S": "1", "COLUMNS": "200", **(extra_env or {}),
         }
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._asker: Any = None  # an in-process client for the polls (a CLI process costs ~0.5 s CPU)
+        secured = ("FEDMQ_TLS_", "FEDMQ_BROKER_PASSWORD")  # the CLI process reads those from its env
+        self._plain = not any(key.startswith(secured) for key in (extra_env or {}))
+
+    def _status(self, what: str, job_id: str = "") -> Any:
+        """The scheduler's StatusReply, asked in this process; None if it did not answer.
+
+        Polling through the CLI cost a process start per poll, most of the suite's CPU in waits;
+        tests still drive the CLI itself for what they check (submit, watch, status output)."""
+        from fedmq.common.errors import FedmqError
+        from fedmq.common.settings import Settings
+        from fedmq.services.cli.remote import Remote
+
+        try:
+            if self._asker is None:
+                self._asker = Remote(Settings(broker_url=self.url)).__enter__()
+            return self._asker.status(what, job_id)
+        except (FedmqError, TimeoutError, ConnectionError):
+            self.close()
+            return None
+
+    def close(self) -> None:
+        if self._asker is not None:
+            asker, self._asker = self._asker, None
+            asker.__exit__(None, None, None)
 
     def start(self, service: str, name: str | None = None, **env: str) -> subprocess.Popen[bytes]:
         name = name or service
@@ -50,16 +77,17 @@ class Cluster:
         deadline = time.monotonic() + timeout
         rows: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
-            proc = self.fedmq("learners", "--json", timeout=30)
-            if proc.returncode == 0:
-                rows = [r for r in json.loads(proc.stdout) if r["alive"]]
-                if len(rows) >= count:
-                    return rows
+            rows = [r for r in self.learner_rows() if r["alive"]]
+            if len(rows) >= count:
+                return rows
             time.sleep(0.5)
         raise TimeoutError(f"only {len(rows)} of {count} learners registered; logs in {self.root}")
 
     def job_round(self, job_id: str) -> int:
         """The round a job is in, per `fedmq status`; -1 while the scheduler cannot answer."""
+        if self._plain:
+            reply = self._status("job", job_id)
+            return int(reply.jobs[0]["round"]) if reply is not None and reply.jobs else -1
         proc = self.fedmq("status", job_id, "--json", timeout=60)
         try:
             return int(json.loads(proc.stdout)[0]["round"]) if proc.returncode == 0 else -1
@@ -67,6 +95,9 @@ class Cluster:
             return -1
 
     def learner_rows(self) -> list[dict[str, Any]]:
+        if self._plain:
+            reply = self._status("learners")
+            return list(reply.learners) if reply is not None else []
         proc = self.fedmq("learners", "--json", timeout=30)
         return json.loads(proc.stdout) if proc.returncode == 0 else []
 
@@ -103,6 +134,7 @@ def services(url: str, root: Path, learners: int = 3, **extra_env: str) -> Itera
             c.start("learner", f"learner-{i}", FEDMQ_REPLICA=str(i))
         yield c
     finally:
+        c.close()
         for proc in c.procs.values():
             if proc.poll() is None:
                 proc.kill()

@@ -59,7 +59,8 @@ def test_learners_survive_the_broker_closing_their_connections_mid_upload(tmp_pa
                 return trainings(c) > seen or bool(exited(c))
 
             # A learner has just trained: its chunked update is on its way to the broker.
-            assert c.wait_for(trained_again, timeout=120), f"no training after {done} closes"
+            assert c.wait_for(trained_again, timeout=120), f"no training after {done} closes\n" + "".join(
+                f"--- {name}\n{c.log(name)[-4000:]}\n" for name in c.procs)  # where it stalled, if ever
             if exited(c):
                 break
             close_connections(c.url, "closed by the test")

@@ -81,6 +81,19 @@ def test_every_example_runs_with_fedmq_run(tmp_path: Path, name: str) -> None:
     assert f"best {objective}" in proc.stderr
 
 
+def test_run_saves_the_objectives_best_round_as_a_model_beside_the_final_one(tmp_path: Path) -> None:
+    from fedmq.common.checkpoint import load_state
+    from fedmq.common.codec import state_digest
+
+    proc = fedmq("run", "examples/regression.yaml", "--rounds", "6", "--json", "--state-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    weights, metadata = load_state(result["best_model_path"])
+    assert state_digest(weights) == result["best"]["model_digest"]
+    assert json.loads(metadata["fedmq.round"]) == result["best"]["round"]
+    assert f"best model saved to {result['best_model_path']}" in proc.stderr
+
+
 def test_a_missing_spec_file_is_one_clear_line(tmp_path: Path) -> None:
     proc = fedmq("run", str(tmp_path / "nope.yaml"), timeout=60)
     assert proc.returncode == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,24 @@ from tests.e2e.cluster import cluster
 pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
 
 
-def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(tmp_path: Path) -> None:
+def digits_with_a_users_strategy(text: str) -> str:
+    """examples/digits.yaml with the counting strategy: state per client and on the server, extras."""
+    return (
+        text.replace("  name: digits ", "  name: 'tests.support.strategies:CountingDigits' ")
+        .replace("strategy: {name: fedavg}", "strategy: {name: 'tests.support.strategies:Counting'}")
+        .replace("per_round: 10, min_fit: 8", "per_round: 6, min_fit: 6")
+    )
+
+
+@pytest.mark.parametrize(
+    "variant", [lambda text: text, digits_with_a_users_strategy], ids=["fedavg", "user-strategy"]
+)
+def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(
+    tmp_path: Path, variant: Callable[[str], str]
+) -> None:
     spec = tmp_path / "job.yaml"
-    spec.write_text((REPO / "examples" / "digits.yaml").read_text().replace("rounds: 30", "rounds: 12"))
+    text = (REPO / "examples" / "digits.yaml").read_text().replace("rounds: 30", "rounds: 12")
+    spec.write_text(variant(text))
     with cluster(tmp_path, learners=2) as c:
         c.wait_learners(2)
         job_id = c.fedmq("submit", str(spec)).stdout.strip()
@@ -41,3 +57,5 @@ def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(tmp_path: Pa
 
     embedded = run_job(load_job(spec), Settings(state_dir=tmp_path / "embedded"))
     assert_bit_identical(load_state(result["model_path"])[0], load_state(embedded["model_path"])[0])
+    assert [h["metrics"].get("strategy") for h in result["history"]] == [
+        h["metrics"].get("strategy") for h in embedded["history"]], "the strategy's state was restored"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Literal
 
+import torch
 from pydantic import Field
 from torch import nn
 
@@ -22,8 +23,8 @@ TASK = "tests.integration.faulty_plugins:Faulty"
 
 
 class FaultyOptions(DigitsOptions):
-    fail: Literal["", "build_model", "build_model_on_learners", "load_server_data", "load_data",
-                  "evaluate", "train"] = ""
+    fail: Literal["", "build_model", "build_model_on_learners", "model_differs_on_learners",
+                  "load_server_data", "load_data", "evaluate", "train", "diverge"] = ""
     fail_at: int = Field(1, ge=1, description="evaluate: the server evaluation that raises (1: round 0's)")
 
 
@@ -40,6 +41,8 @@ class Faulty(Digits):
             raise ValueError("width must be positive, got -3")
         if self.options.fail == "build_model_on_learners" and _on_learner():
             raise ImportError("libcudnn.so.9: cannot open shared object file")
+        if self.options.fail == "model_differs_on_learners" and _on_learner():
+            return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))  # e.g. sized from local files
         return super().build_model()
 
     def load_data(self, ctx: fedmq.DataContext) -> fedmq.ClientData:
@@ -61,7 +64,11 @@ class Faulty(Digits):
     def train(self, model: nn.Module, data: Any, ctx: fedmq.TrainContext) -> fedmq.TrainResult:
         if self.options.fail == "train":
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return train_with_loss(self, model, data, ctx)
+        result = train_with_loss(self, model, data, ctx)
+        if self.options.fail == "diverge":
+            with torch.no_grad():
+                next(iter(model.parameters())).fill_(float("inf"))
+        return result
 
 
 def faulty(fail: str, **options: Any) -> dict[str, Any]:

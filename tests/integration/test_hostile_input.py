@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pika
 import pytest
@@ -29,7 +29,7 @@ from fedmq.services.cli.embedded import run_job
 from fedmq.services.scheduler.sampling import sample_clients
 from tests.conftest import EmbeddedRuns, assert_bit_identical, assert_matches_reference, small_job
 from tests.integration import train_plugins
-from tests.rabbit import fresh_vhost
+from tests.rabbit import WatchedBus, fresh_vhost
 from tests.reference import reference_fedavg
 
 pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
@@ -44,30 +44,8 @@ class DoublingBus(RabbitBus):
             super().publish(queue, body, **kwargs)
 
 
-class WatchedBus(RabbitBus):
-    """The aggregator's bus: besides the cluster's metrics hook, tells the test of each dead letter."""
-
-    def __init__(self, settings: Settings, name: str, seen: Callable[[str], None]) -> None:
-        self._seen = seen
-        self._hook: Callable[[str], None] | None = None
-        super().__init__(settings, name)
-
-    @property
-    def on_dead_letter(self) -> Callable[[str], None]:
-        return self._refused
-
-    @on_dead_letter.setter
-    def on_dead_letter(self, hook: Callable[[str], None] | None) -> None:
-        self._hook = hook
-
-    def _refused(self, reason: str) -> None:
-        if self._hook is not None:
-            self._hook(reason)
-        self._seen(reason)
-
-
-# What reaches the aggregator's queue: 9 crafted messages and the envelopes of 2 broken blobs.
-TO_AGGREGATOR = 11
+# What reaches the aggregator's queue: 10 crafted messages and the envelopes of 2 broken blobs.
+TO_AGGREGATOR = 12
 
 
 def hostile_messages(job_id: str, digest: str, spec: JobSpec, client: int) -> list[tuple[str, bytes, dict]]:
@@ -90,6 +68,7 @@ def hostile_messages(job_id: str, digest: str, spec: JobSpec, client: int) -> li
         (topology.AGGREGATOR, update(weights=wrong_shape), {}),
         (topology.AGGREGATOR, update(weights=with_nan), {}),
         (topology.AGGREGATOR, update(num_examples=-5), {}),
+        (topology.AGGREGATOR, update(extras={"delta": torch.zeros(2), "bad name": torch.zeros(1)}), {}),
         (topology.AGGREGATOR, update(job_id="no-such-job"), {}),
         (topology.AGGREGATOR, update(round=1), {}),
         (topology.AGGREGATOR, b"x" * (65 * 1024), {}),  # over the 64 KiB frame, not chunked
@@ -107,15 +86,16 @@ def to_wire_raw(value: dict[str, Any]) -> bytes:
 def publish_hostile(url: str, messages: list[tuple[str, bytes, dict]]) -> None:
     conn = pika.BlockingConnection(pika.URLParameters(url))
     ch = conn.channel()
+    user = urlsplit(url).username  # a user the services take updates from: the checks after that one run
     for queue, body, headers in messages:
-        ch.basic_publish("", queue, body, pika.BasicProperties(headers=headers or None))
+        ch.basic_publish("", queue, body, pika.BasicProperties(headers=headers or None, user_id=user))
     # A chunk stream that never completes, and one that claims more than the limit.
     ch.queue_declare("fedmq.blob.evil", durable=True, arguments={"x-expires": 60_000})
     ch.basic_publish("", "fedmq.blob.evil", b"a" * 10,
                      pika.BasicProperties(headers={H_BLOB: "fedmq.blob.evil", H_INDEX: 0, H_COUNT: 2}))
     digest = hashlib.sha256(b"a" * 20).hexdigest()
     for size in (20, 10 * 1024**3):
-        ch.basic_publish("", topology.AGGREGATOR, b"", pika.BasicProperties(headers={
+        ch.basic_publish("", topology.AGGREGATOR, b"", pika.BasicProperties(user_id=user, headers={
             H_BLOB: "fedmq.blob.evil", H_COUNT: 2, H_SIZE: size, H_DIGEST: digest}))
     conn.close()
 
@@ -165,6 +145,6 @@ def test_hostile_input_is_refused_counted_and_changes_nothing(
     assert_matches_reference(result, reference_fedavg(spec))
     assert result["dead_letters"] == {
         "decode": 5,  # garbage, truncated, wrong schema (aggregator); scheduler; learner
-        "wrong_shape": 1, "non_finite": 1, "bad_example_count": 1, "unknown_job": 1,
+        "wrong_shape": 1, "non_finite": 1, "bad_example_count": 1, "wrong_extras": 1, "unknown_job": 1,
         "stale_round": 1, "oversize": 1, "blob": 2,
     }

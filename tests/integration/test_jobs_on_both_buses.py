@@ -33,6 +33,33 @@ def test_a_job_gives_the_reference_weights_on_either_bus(
     assert_matches_reference(result, reference_fedavg(spec))
 
 
+USER_STRATEGY = {
+    "task__name": "tests.support.strategies:CountingDigits",
+    "strategy": {"name": "tests.support.strategies:Counting"},
+    "clients__total": 6, "clients__per_round": 4,
+}
+
+
+@pytest.mark.parametrize("learners", [1, 3])
+@pytest.mark.parametrize(
+    "changes", [
+        USER_STRATEGY, {"strategy": {"name": "fedprox", "options": {"mu": 0.5}}},
+        {"strategy": {"name": "scaffold"}, "clients__total": 6, "clients__per_round": 4},
+    ],
+    ids=["user-strategy-with-client-state", "fedprox", "scaffold-shared-and-client-state"],
+)
+def test_a_strategy_with_round_config_and_client_state_gives_the_same_weights_on_either_bus(
+    transport: Transport, learners: int, changes: dict[str, Any], embedded_runs: EmbeddedRuns
+) -> None:
+    spec = small_job(rounds=3, **changes)
+    result = run_job(spec, transport.settings, learners=learners, connect=transport.connect,
+                     idle_timeout=60)
+    assert result["status"] == "completed", result.get("reason")
+    assert_bit_identical(load_state(result["model_path"])[0], embedded_runs.weights(spec))
+    if "mismatched" in result["history"][-1]["metrics"].get("strategy", {}):
+        assert [h["metrics"]["strategy"]["mismatched"] for h in result["history"][1:]] == [0.0] * 3
+
+
 def test_global_weights_cross_the_bus_once_per_learner_per_round(transport: Transport) -> None:
     spec = small_job(clients__total=12, rounds=3)
     result = run_job(spec, transport.settings, learners=3, connect=transport.connect, idle_timeout=60)

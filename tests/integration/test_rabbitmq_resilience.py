@@ -31,7 +31,9 @@ pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
 def test_a_job_survives_the_broker_closing_every_connection(
     tmp_path: Path, embedded_runs: EmbeddedRuns
 ) -> None:
-    spec = small_job(rounds=5, round_timeout_s=20)
+    # Rounds enough to outlast rabbitmqctl (a second or more on a loaded machine): the close
+    # must land while the job runs, not after it ended.
+    spec = small_job(rounds=30, round_timeout_s=20)
     with fresh_vhost() as url:
         vhost = urlsplit(url).path.lstrip("/")
         settings = Settings(broker_url=url, state_dir=tmp_path, retry_initial_s=0.2)

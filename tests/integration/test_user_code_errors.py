@@ -56,6 +56,16 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
         {"service": "learner", "phase": "load_data", "type": "KeyError", "round": 1},
         "digits-7",
     ),
+    "learner-builds-another-model": (
+        faulty("model_differs_on_learners"),
+        {"service": "learner", "phase": "build_model", "type": "ValueError", "round": 1},
+        "does not match the global model",
+    ),
+    "learner-training-diverges": (
+        faulty("diverge"),
+        {"service": "learner", "phase": "train", "type": "FloatingPointError", "round": 1},
+        "NaN or infinite values",
+    ),
     "learner-trains": (
         faulty("train"),
         {"service": "learner", "phase": "train", "type": "RuntimeError", "round": 1},

@@ -29,12 +29,13 @@ ORPHANS: list[str] = []  # blob queues a failed send could not delete (on_orphan
 
 
 class FakeChannel:
-    """Queues in a dict; what goes to any other name is kept as the envelope."""
+    """Queues in a dict, bound to the blob exchange by name; what goes elsewhere is kept as the envelope."""
 
     def __init__(self) -> None:
         self.queues: dict[str, deque[tuple[pika.BasicProperties, bytes]]] = {}
         self.envelopes: list[tuple[str, str, pika.BasicProperties]] = []
         self.nacked: list[int] = []
+        self.bound: set[tuple[str, str, str]] = set()  # (exchange, key, queue)
         self.gets = 0
         self.is_open = True
         self._tags = 0
@@ -49,10 +50,14 @@ class FakeChannel:
         ready = len(self.queues.setdefault(queue, deque()))
         return SimpleNamespace(method=SimpleNamespace(queue=queue, message_count=ready))
 
+    def queue_bind(self, queue: str, exchange: str, routing_key: str) -> None:
+        self.bound.add((exchange, routing_key, queue))
+
     def basic_publish(
         self, exchange: str, key: str, body: bytes, props: pika.BasicProperties, mandatory: bool = False
     ) -> None:
-        if exchange == "" and key in self.queues:
+        assert exchange != "", "nothing goes through the default exchange"
+        if (exchange, key, key) in self.bound and key in self.queues:
             self.queues[key].append((props, body))
         else:
             assert body == b""
@@ -91,11 +96,12 @@ def sent(body: bytes = BODY, frame: int = 100) -> tuple[FakeChannel, dict[str, A
     """Publish `body` as a blob; the channel, the envelope's headers and the chunk sizes counted."""
     ch = FakeChannel()
     counted: list[int] = []
-    props = pika.BasicProperties(delivery_mode=2, correlation_id="c1", headers={"k": "v"})
-    publish_blob(ch, "", "fedmq.aggregator", body, props, mandatory=True, frame_bytes=frame,
+    props = pika.BasicProperties(delivery_mode=2, correlation_id="c1", headers={"k": "v"}, user_id="learner")
+    publish_blob(ch, "fedmq.x.aggregator", "fedmq.aggregator", body, props, mandatory=True, frame_bytes=frame,
                  expiry_s=600, on_chunk=counted.append, on_orphan=ORPHANS.append)
     [(exchange, key, envelope)] = ch.envelopes
-    assert (exchange, key, envelope.correlation_id) == ("", "fedmq.aggregator", "c1")
+    assert (exchange, key, envelope.correlation_id) == ("fedmq.x.aggregator", "fedmq.aggregator", "c1")
+    assert envelope.user_id == "learner"  # the sender's broker user, which RabbitMQ checks
     return ch, dict(envelope.headers), counted
 
 
@@ -206,8 +212,9 @@ def publish_failing(ch: FailingChannel) -> list[str]:
     """Publish BODY (8 chunks and an envelope) on `ch`, expecting its error; the orphans handed over."""
     orphans: list[str] = []
     with pytest.raises(type(ch.error)):
-        publish_blob(ch, "", "fedmq.aggregator", BODY, pika.BasicProperties(), mandatory=True,
-                     frame_bytes=100, expiry_s=600, on_chunk=lambda n: None, on_orphan=orphans.append)
+        publish_blob(ch, "fedmq.x.aggregator", "fedmq.aggregator", BODY, pika.BasicProperties(),
+                     mandatory=True, frame_bytes=100, expiry_s=600, on_chunk=lambda n: None,
+                     on_orphan=orphans.append)
     return orphans
 
 

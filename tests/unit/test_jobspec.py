@@ -9,13 +9,13 @@ import pytest
 
 from fedmq.common.errors import ConfigError
 from fedmq.common.jobspec import (
-    FedAvgMStrategy,
-    FedAvgStrategy,
     JobSpec,
+    StrategySpec,
     TaskSpec,
     load_job,
     parse_job,
 )
+from fedmq.common.strategy.loading import strategy_options
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -53,14 +53,14 @@ def test_digits_100_example_samples_10_of_100_with_quorum_8() -> None:
     spec = load_job(EXAMPLES / "digits-100.yaml")
     assert (spec.clients.total, spec.clients.sampled, spec.clients.quorum) == (100, 10, 8)
     assert spec.task.options["partition"] == {"kind": "dirichlet", "alpha": 0.5}
-    assert spec.strategy == FedAvgStrategy()
+    assert spec.strategy == StrategySpec(name="fedavg", options={})
 
 
 def test_digits_shards_example_uses_shards_and_fedavgm() -> None:
     spec = load_job(EXAMPLES / "digits-shards.yaml")
     assert spec.task.options["model"]["name"] == "cnn"
     assert spec.task.options["partition"] == {"kind": "shards", "shards_per_client": 2}
-    assert spec.strategy == FedAvgMStrategy(server_lr=1.0, server_momentum=0.5)
+    assert spec.strategy == StrategySpec(name="fedavgm", options={"server_lr": 1.0, "server_momentum": 0.5})
     assert spec.train.momentum == 0.5
 
 
@@ -68,7 +68,7 @@ def test_a_minimal_spec_gets_the_documented_defaults() -> None:
     spec = parse_job(minimal())
     assert spec.seed == 0
     assert spec.task == TaskSpec(name="digits", options={})
-    assert spec.strategy == FedAvgStrategy()
+    assert spec.strategy == StrategySpec(name="fedavg", options={})
     assert spec.evaluate.every == 1 and spec.evaluate.server and spec.evaluate.federated is None
     assert spec.objective is None
     assert spec.train.epochs == 1 and spec.train.lr == 0.05
@@ -151,6 +151,21 @@ def test_evaluation_and_the_objective_are_spelt_out() -> None:
     assert "objective.metric: String should match pattern" in refusal(minimal(objective={"metric": "acc"}))
 
 
+def test_an_objective_no_evaluation_measures_is_refused_saying_what_to_add() -> None:
+    server = refusal(minimal(evaluate={"server": False}, objective={"metric": "server.accuracy"}))
+    assert "'server.accuracy' is never measured" in server and "evaluate.server: true" in server
+    federated = refusal(minimal(objective={"metric": "federated.loss", "mode": "min"}))
+    assert "'federated.loss' is never measured" in federated and "federated: {clients: N}" in federated
+    assert parse_job(minimal(evaluate={"server": False}, objective={"metric": "train.loss"})).objective
+
+
+def test_a_tasks_default_objective_is_left_out_when_the_job_does_not_measure_it() -> None:
+    from fedmq.common.task.loading import complete_spec
+
+    assert complete_spec(parse_job(minimal(task="digits"))).objective is not None  # server.accuracy
+    assert complete_spec(parse_job(minimal(task="digits", evaluate={"server": False}))).objective is None
+
+
 # --- refusals --------------------------------------------------------------------------------
 
 
@@ -206,29 +221,68 @@ def test_zero_clients_are_refused() -> None:
     assert "clients.total: Input should be greater than 0" in refusal(minimal(clients={"total": 0}))
 
 
-def test_an_unknown_strategy_name_names_strategy_and_lists_allowed_names() -> None:
-    message = refusal(minimal(strategy={"name": "fedprox"}))
-    assert "  - strategy: unknown kind" in message
-    assert "fedprox" in message
-    assert "allowed: 'fedavg', 'average', 'fedavgm'" in message
+def test_an_unknown_strategy_name_names_strategy_suggests_one_and_lists_the_built_ins() -> None:
+    message = refusal(minimal(strategy={"name": "fedavgn"}))
+    assert "  - strategy: " in message
+    assert "unknown strategy 'fedavgn'; did you mean 'fedavg'?" in message
+    assert "built-in: fedavg, average, fedavgm" in message
+    assert "'package.module:Class'" in message
 
 
-def test_a_bad_server_momentum_names_strategy_server_momentum() -> None:
-    message = refusal(minimal(strategy={"name": "fedavgm", "server_momentum": 1.0}))
-    assert "  - strategy.server_momentum: Input should be less than 1" in message
+def options_refusal(strategy: Any) -> str:
+    """The error building a spec's strategy options gives (what the CLI shows before publishing)."""
+    spec = parse_job(minimal(strategy=strategy))
+    with pytest.raises(ConfigError) as caught:
+        strategy_options(spec.strategy.name, spec.strategy.options)
+    return str(caught.value)
 
 
 @pytest.mark.parametrize(
-    ("section", "expected"),
-    [
-        ({"evaluate": {"federated": {"client": 3}}}, "did you mean 'clients'?"),
-        ({"strategy": {"name": "fedavgm", "server_lr2": 1.0}}, "did you mean 'server_lr'?"),
-    ],
+    "strategy",
+    [{"name": "fedavgm", "server_momentum": 1.0}, {"name": "fedavgm", "options": {"server_momentum": 1.0}}],
+    ids=["flat", "options"],
 )
-def test_a_misspelt_key_inside_a_union_section_suggests_the_right_key(
-    section: dict[str, Any], expected: str
+def test_a_bad_server_momentum_names_the_strategy_and_the_option(strategy: dict[str, Any]) -> None:
+    message = options_refusal(strategy)
+    assert "strategy 'fedavgm': invalid options (allowed: server_lr, server_momentum)" in message
+    assert "  - strategy.options.server_momentum: Input should be less than 1" in message
+
+
+def test_a_misspelt_strategy_option_suggests_the_right_one() -> None:
+    message = options_refusal({"name": "fedavgm", "server_lr2": 1.0})
+    assert "strategy.options.server_lr2: unknown option; did you mean 'server_lr'?" in message
+
+
+def test_a_boolean_is_not_a_number_for_a_built_in_strategy_option() -> None:
+    message = options_refusal({"name": "fedavgm", "server_lr": True})
+    assert "server_lr: Input should be a valid number" in message
+
+
+def test_a_misspelt_key_inside_a_nested_section_suggests_the_right_key() -> None:
+    assert "did you mean 'clients'?" in refusal(minimal(evaluate={"federated": {"client": 3}}))
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        ("fedavgm", StrategySpec(name="fedavgm")),
+        ({"name": "average"}, StrategySpec(name="average")),
+        ({"name": "fedavgm", "server_lr": 1, "server_momentum": 0.9},
+         StrategySpec(name="fedavgm", options={"server_lr": 1, "server_momentum": 0.9})),
+        ({"name": "fedprox", "options": {"mu": 0.1}}, StrategySpec(name="fedprox", options={"mu": 0.1})),
+        ({"name": "my_pkg.strategies:Mine"}, StrategySpec(name="my_pkg.strategies:Mine")),
+    ],
+    ids=["bare-name", "name-only", "flat-legacy", "options", "entrypoint"],
+)
+def test_every_written_form_of_strategy_reads_as_name_and_options(
+    written: Any, expected: StrategySpec
 ) -> None:
-    assert expected in refusal(minimal(**section))
+    assert parse_job(minimal(strategy=written)).strategy == expected
+
+
+def test_a_strategy_with_options_and_flat_keys_at_once_is_refused_naming_the_stray_key() -> None:
+    message = refusal(minimal(strategy={"name": "fedavgm", "options": {}, "server_lr": 1.0}))
+    assert "  - strategy.server_lr: unknown key" in message
 
 
 def test_an_unknown_key_spelt_like_a_union_tag_keeps_its_name_in_the_path() -> None:
@@ -323,3 +377,17 @@ def test_the_readme_configuration_table_matches_the_settings_class() -> None:
 
     readme = (REPO / "README.md").read_text()
     assert render(readme) == readme, "run: python -m fedmq.common.settings_doc --write README.md"
+
+
+def test_exponent_numbers_without_a_dot_read_as_floats_as_users_write_them(tmp_path: Path) -> None:
+    """YAML 1.1 reads `1e-5` as a string; a spec means the number (the README writes `delta: 1e-5`)."""
+    text = (EXAMPLES / "digits.yaml").read_text()
+    text = text.replace("lr: 0.05", "lr: 5e-2").replace(
+        "strategy: {name: fedavg}", "strategy: {name: dp_fedavg, options: {delta: 1e-5, clip_norm: 2E0}}"
+    )
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    spec = load_job(path)
+    assert spec.train.lr == 0.05
+    assert spec.strategy.options == {"delta": 1e-5, "clip_norm": 2.0}
+    assert strategy_options(spec.strategy.name, spec.strategy.options) is not None

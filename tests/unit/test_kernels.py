@@ -13,16 +13,26 @@ from hypothesis import strategies as st
 
 from fedmq.common.errors import AggregationError
 from fedmq.common.jobspec import parse_job
+from fedmq.common.strategy.contract import ClientResult, RoundContext, Strategy
+from fedmq.common.strategy.loading import make_strategy
 from fedmq.services.aggregator.kernels import server_momentum, weighted_mean
-from fedmq.services.aggregator.strategies import (
-    Average,
-    ClientResult,
-    FedAvg,
-    FedAvgM,
-    build_strategy,
-)
+from fedmq.services.aggregator.strategies.average import Average
+from fedmq.services.aggregator.strategies.fedavg import FedAvg
+from fedmq.services.aggregator.strategies.fedavgm import FedAvgM
 
 StateDict = dict[str, torch.Tensor]
+
+
+def aggregate(
+    strategy: Strategy, server_round: int, current: StateDict, results: Sequence[ClientResult]
+) -> StateDict:
+    """The new weights a strategy computes for a round with no failures."""
+    ctx = RoundContext(round=server_round, rounds=10, seed=0, num_clients=len(results))
+    return dict(strategy.aggregate(ctx, current, results, []).weights)
+
+
+def fedavgm(server_lr: float, server_momentum: float) -> FedAvgM:
+    return FedAvgM(FedAvgM.Options(server_lr=server_lr, server_momentum=server_momentum))
 
 # Relative tolerance per dtype: a few ulps of the output dtype (accumulation is in float32+).
 RTOL = {
@@ -61,7 +71,7 @@ def random_states(
 
 
 def result(client: int, num_examples: int, state: StateDict) -> ClientResult:
-    return ClientResult(client=client, num_examples=num_examples, load=lambda: state)
+    return ClientResult(client=client, num_examples=num_examples, loader=lambda: state)
 
 
 shapes_st = st.lists(st.lists(st.integers(1, 5), min_size=0, max_size=3).map(tuple), min_size=1, max_size=3)
@@ -228,14 +238,14 @@ def assert_close_to(actual: StateDict, expected: Mapping[str, np.ndarray], rtol:
 
 def test_fedavg_weights_each_client_by_its_number_of_examples() -> None:
     current, results = round_inputs(2)
-    out = FedAvg().aggregate(1, current, results)
+    out = aggregate(FedAvg(), 1, current, results)
     expected = oracle([r.load() for r in results], [r.num_examples for r in results])
     assert_close_to(out, expected, RTOL[torch.float32])
 
 
 def test_average_ignores_the_number_of_examples() -> None:
     current, results = round_inputs(3)
-    out = Average().aggregate(1, current, results)
+    out = aggregate(Average(), 1, current, results)
     expected = oracle([r.load() for r in results], [1.0] * len(results))
     assert_close_to(out, expected, RTOL[torch.float32])
 
@@ -248,23 +258,23 @@ def test_fedavg_loads_each_result_once() -> None:
         calls.append(client)
         return state
 
-    results = [ClientResult(c, 1, functools.partial(load, c)) for c in range(3)]
-    FedAvg().aggregate(1, state, results)
+    results = [ClientResult(c, 1, loader=functools.partial(load, c)) for c in range(3)]
+    aggregate(FedAvg(), 1, state, results)
     assert calls == [0, 1, 2]
 
 
 def test_fedavg_is_bit_identical_across_calls_with_the_same_results() -> None:
     current, results = round_inputs(4)
-    first, second = FedAvg().aggregate(1, current, results), FedAvg().aggregate(1, current, results)
+    first, second = aggregate(FedAvg(), 1, current, results), aggregate(FedAvg(), 1, current, results)
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
 def test_fedavgm_without_momentum_and_unit_lr_equals_fedavg() -> None:
     current, results = round_inputs(5)
-    fedavg = FedAvg().aggregate(1, current, results)
-    strategy = FedAvgM(server_lr=1.0, server_momentum=0.0)
+    fedavg = aggregate(FedAvg(), 1, current, results)
+    strategy = fedavgm(server_lr=1.0, server_momentum=0.0)
     for server_round in (1, 2):
-        out = strategy.aggregate(server_round, current, results)
+        out = aggregate(strategy, server_round, current, results)
         for name in fedavg:
             torch.testing.assert_close(out[name], fedavg[name], rtol=1e-5, atol=1e-5)
 
@@ -273,10 +283,10 @@ def test_fedavgm_follows_the_hand_computed_two_round_momentum_sequence() -> None
     lr, beta = 0.7, 0.9
     w0, round1 = round_inputs(6)
     _, round2 = round_inputs(7)
-    strategy = FedAvgM(server_lr=lr, server_momentum=beta)
+    strategy = fedavgm(server_lr=lr, server_momentum=beta)
 
-    w1 = strategy.aggregate(1, w0, round1)
-    w2 = strategy.aggregate(2, w1, round2)
+    w1 = aggregate(strategy, 1, w0, round1)
+    w2 = aggregate(strategy, 2, w1, round2)
 
     n1 = [r.num_examples for r in round1]
     n2 = [r.num_examples for r in round2]
@@ -299,8 +309,8 @@ def test_fedavgm_takes_integer_buffers_from_the_average_without_momentum() -> No
         result(0, 1, {"w": torch.ones(2), "steps": torch.tensor(10)}),
         result(1, 3, {"w": torch.ones(2), "steps": torch.tensor(20)}),
     ]
-    strategy = FedAvgM(server_lr=1.0, server_momentum=0.9)
-    out = strategy.aggregate(1, current, results)
+    strategy = fedavgm(server_lr=1.0, server_momentum=0.9)
+    out = aggregate(strategy, 1, current, results)
     assert out["steps"].item() == 18  # (10 + 3*20) / 4 = 17.5, rounded half to even
     assert set(strategy.state()) == {"velocity.w"}
 
@@ -308,23 +318,23 @@ def test_fedavgm_takes_integer_buffers_from_the_average_without_momentum() -> No
 def test_fedavgm_state_round_trip_makes_a_resumed_strategy_take_the_identical_step() -> None:
     w0, round1 = round_inputs(8)
     _, round2 = round_inputs(9)
-    original = FedAvgM(server_lr=0.5, server_momentum=0.8)
-    w1 = original.aggregate(1, w0, round1)
+    original = fedavgm(server_lr=0.5, server_momentum=0.8)
+    w1 = aggregate(original, 1, w0, round1)
     saved = {k: v.clone() for k, v in original.state().items()}
     assert set(saved) == {f"velocity.{name}" for name in w0}
 
-    resumed = FedAvgM(server_lr=0.5, server_momentum=0.8)
+    resumed = fedavgm(server_lr=0.5, server_momentum=0.8)
     resumed.load_state(saved)
-    expected = original.aggregate(2, w1, round2)
-    got = resumed.aggregate(2, w1, round2)
+    expected = aggregate(original, 2, w1, round2)
+    got = aggregate(resumed, 2, w1, round2)
 
     assert all(torch.equal(got[k], expected[k]) for k in expected)
-    fresh = FedAvgM(server_lr=0.5, server_momentum=0.8).aggregate(2, w1, round2)
+    fresh = aggregate(fedavgm(server_lr=0.5, server_momentum=0.8), 2, w1, round2)
     assert not all(torch.equal(fresh[k], expected[k]) for k in expected), "velocity mattered"
 
 
 def test_fedavgm_load_state_copies_the_tensors_it_is_given() -> None:
-    strategy = FedAvgM(server_lr=1.0, server_momentum=0.5)
+    strategy = fedavgm(server_lr=1.0, server_momentum=0.5)
     given_state = {"velocity.w": torch.ones(2)}
     strategy.load_state(given_state)
     given_state["velocity.w"].zero_()
@@ -332,7 +342,7 @@ def test_fedavgm_load_state_copies_the_tensors_it_is_given() -> None:
 
 
 def test_a_fresh_fedavgm_has_no_state_and_loading_empty_state_keeps_it_fresh() -> None:
-    strategy = FedAvgM(server_lr=1.0, server_momentum=0.5)
+    strategy = fedavgm(server_lr=1.0, server_momentum=0.5)
     assert strategy.state() == {}
     strategy.load_state({})
     assert strategy.state() == {}
@@ -352,14 +362,14 @@ def test_server_momentum_does_not_modify_the_velocity_it_is_given() -> None:
     ("strategy", "expected_type"),
     [({"name": "fedavg"}, FedAvg), ({"name": "average"}, Average), ({"name": "fedavgm"}, FedAvgM)],
 )
-def test_build_strategy_maps_each_spec_name_to_its_class(
+def test_make_strategy_maps_each_spec_name_to_its_class(
     strategy: dict[str, str], expected_type: type
 ) -> None:
     spec = parse_job({"name": "j", "clients": {"total": 2}, "rounds": 1, "strategy": strategy})
-    assert type(build_strategy(spec)) is expected_type
+    assert type(make_strategy(spec.strategy)) is expected_type
 
 
-def test_build_strategy_passes_fedavgm_hyperparameters_through() -> None:
+def test_make_strategy_passes_fedavgm_hyperparameters_through_from_the_legacy_flat_form() -> None:
     spec = parse_job(
         {
             "name": "j",
@@ -368,6 +378,6 @@ def test_build_strategy_passes_fedavgm_hyperparameters_through() -> None:
             "strategy": {"name": "fedavgm", "server_lr": 0.3, "server_momentum": 0.6},
         }
     )
-    strategy = build_strategy(spec)
+    strategy = make_strategy(spec.strategy)
     assert isinstance(strategy, FedAvgM)
-    assert (strategy.server_lr, strategy.server_momentum) == (0.3, 0.6)
+    assert (strategy.options.server_lr, strategy.options.server_momentum) == (0.3, 0.6)

@@ -18,11 +18,20 @@ from fedmq.common import codec
 from fedmq.common.errors import DecodeError
 from fedmq.common.messages import (
     SCHEMA_VERSION,
+    TENSOR_FIELDS,
     AnyMessage,
     ClientFailure,
+    ClientStateGet,
+    ClientStateReply,
     ClientUpdate,
+    DdpExit,
+    DdpLaunch,
+    DdpModel,
+    DdpStop,
+    DdpStored,
     EvalReport,
     EvalTask,
+    FailedClient,
     Heartbeat,
     JobCancel,
     JobCreate,
@@ -59,14 +68,19 @@ def weights() -> dict[str, torch.Tensor]:
     }
 
 
+DDP_SPEC = {"name": "d", "ddp": {"entry": "examples.ddp:main", "world_size": 2}}
 SAMPLES: dict[str, Message] = {
     "job_submit": JobSubmit(job_id="j1", spec=SPEC),
     "job_cancel": JobCancel(job_id="j1", reason="user pressed ctrl-c"),
     "job_create": JobCreate(job_id="j1", spec=SPEC),
     "round_open": RoundOpen(job_id="j1", round=3, clients=[0, 4, 9]),
-    "round_close": RoundClose(job_id="j1", round=3, clients=[0, 9]),
+    "round_close": RoundClose(
+        job_id="j1", round=3, clients=[0, 9],
+        failed=[FailedClient(client=4, reason="user_code: train raised", phase="train")],
+    ),
     "train_task": TrainTask(
-        job_id="j1", task_id="j1:3:4", round=3, client=4, model_digest="ab" * 32, spec=SPEC
+        job_id="j1", task_id="j1:3:4", round=3, client=4, model_digest="ab" * 32, spec=SPEC,
+        config={"proximal_mu": 0.01, "client_state": True, "note": "x", "k": 3},
     ),
     "eval_task": EvalTask(
         job_id="j1", task_id="j1:e3:4", round=3, client=4, model_digest="ab" * 32, spec=SPEC
@@ -86,6 +100,7 @@ SAMPLES: dict[str, Message] = {
         train_seconds=1.25,
         learner="learner-1",
         weights=weights(),
+        extras={"count": torch.tensor([2.0]), "delta.fc": torch.arange(6, dtype=torch.float32).reshape(2, 3)},
     ),
     "client_failure": ClientFailure(
         job_id="j1", task_id="j1:3:4", round=3, client=4, code="oom", reason="out of memory"
@@ -102,17 +117,31 @@ SAMPLES: dict[str, Message] = {
         metrics={"server": {"loss": 0.3, "accuracy": 0.9}, "train": {"loss": 0.25}},
         aggregate_seconds=0.01,
         model_path="/tmp/model.safetensors",
+        config={"proximal_mu": 0.5, "client_state": True},
     ),
     "job_failed": JobFailed(job_id="j1", reason="round 3: 1 of 4 clients reported"),
     "model_get": ModelGet(job_id="j1", digest="ab" * 32),
     "model_reply": ModelReply(job_id="j1", digest="ab" * 32, weights=weights()),
+    "client_state_get": ClientStateGet(job_id="j1", round=3, client=4),
+    "client_state_reply": ClientStateReply(job_id="j1", round=3, client=4, state=weights()),
     "job_event": JobEvent(job_id="j1", kind="round_completed", round=3, rounds=10, data={"accuracy": 0.9}),
     "heartbeat": Heartbeat(learner="gn6/1", node="gn6", replica=1, device="cuda:1", busy=True, pid=42),
     "status_request": StatusRequest(what="learners"),
     "status_reply": StatusReply(jobs=[{"job_id": "j1", "status": "running"}], learners=[{"rank": 0}]),
+    "ddp_launch": DdpLaunch(
+        job_id="j1", attempt=1, rank=1, local_rank=0, node_rank=1, world_size=2, master_addr="gn6",
+        master_port=29500, backend="gloo", spec=DDP_SPEC, resume_digest="ab" * 32,
+    ),
+    "ddp_stop": DdpStop(job_id="j1", attempt=1),
+    "ddp_exit": DdpExit(job_id="j1", attempt=1, rank=1, learner="gn7/0", node="gn7", code=-9, tail="a\nb"),
+    "ddp_model": DdpModel(
+        job_id="j1", attempt=1, kind="checkpoint", step=3, spec=DDP_SPEC, weights=weights()
+    ),
+    "ddp_stored": DdpStored(job_id="j1", attempt=1, kind="final", digest="cd" * 32, model_path="/m"),
 }
 EXTRA_SAMPLES: dict[str, Message] = {
     "model_reply_error": ModelReply(job_id="j1", digest="ff", error="unknown digest"),
+    "client_state_reply_error": ClientStateReply(job_id="j1", round=3, client=4, error="unknown job"),
     "client_update_no_tensors": SAMPLES["client_update"].model_copy(update={"weights": {}}),
     "client_failure_user_code": ClientFailure(
         job_id="j1", task_id="j1:3:4", round=3, client=4, code="user_code", reason="train: ValueError: x",
@@ -133,17 +162,18 @@ def raw_of(msg: Message) -> dict[str, Any]:
 
 def assert_same_message(got: Message, sent: Message) -> None:
     assert type(got) is type(sent)
-    assert got.model_dump(exclude={"weights"}) == sent.model_dump(exclude={"weights"})
-    sent_weights = getattr(sent, "weights", None)
-    got_weights = getattr(got, "weights", None)
-    if sent_weights is None:
-        assert got_weights is None
-        return
-    assert got_weights is not None
-    assert list(got_weights) == list(sent_weights), "names and their order survive"
-    for name, tensor in sent_weights.items():
-        assert got_weights[name].dtype == tensor.dtype
-        assert torch.equal(got_weights[name], tensor), name
+    assert got.model_dump(exclude=set(TENSOR_FIELDS)) == sent.model_dump(exclude=set(TENSOR_FIELDS))
+    for field in TENSOR_FIELDS:
+        sent_weights = getattr(sent, field, None)
+        got_weights = getattr(got, field, None)
+        if sent_weights is None:
+            assert got_weights is None
+            continue
+        assert got_weights is not None
+        assert list(got_weights) == list(sent_weights), "names and their order survive"
+        for name, tensor in sent_weights.items():
+            assert got_weights[name].dtype == tensor.dtype
+            assert torch.equal(got_weights[name], tensor), name
 
 
 # --- round trips -----------------------------------------------------------------------------
@@ -161,7 +191,10 @@ def test_every_message_type_round_trips_through_the_wire(msg: Message) -> None:
     assert_same_message(from_wire(data), msg)
 
 
-@pytest.mark.parametrize("kind", sorted(set(SAMPLES) - {"client_update", "model_reply"}))
+WITH_TENSORS = {"client_update", "model_reply", "client_state_reply", "ddp_model"}
+
+
+@pytest.mark.parametrize("kind", sorted(set(SAMPLES) - WITH_TENSORS))
 def test_a_message_without_tensors_decodes_equal_to_the_original(kind: str) -> None:
     assert from_wire(to_wire(SAMPLES[kind])) == SAMPLES[kind]
 

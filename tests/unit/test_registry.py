@@ -158,6 +158,8 @@ def test_as_dict_is_a_json_row_with_the_age_on_the_receivers_clock() -> None:
         "local_rank": 0,
         "node_rank": 0,
         "world_size": 1,
+        "sites": [],
+        "group": "",
         "age_s": 2.0,
     }
 

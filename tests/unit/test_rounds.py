@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fedmq.services.scheduler.loop import round_close
 from fedmq.services.scheduler.rounds import Decision, RoundState
 from fedmq.services.scheduler.sampling import sample_clients
+from fedmq.services.scheduler.store import _state_from_row, _state_row
 
 DEADLINE = 100.0
 BEFORE = 50.0
@@ -176,6 +180,40 @@ def test_retry_returns_the_missing_clients_in_sampled_order_and_uses_up_a_retry(
 
 
 # --- sampling --------------------------------------------------------------------------------
+
+
+# --- what the strategy hears of the clients that did not report ----------------------------------
+
+
+def test_the_round_close_names_each_unreported_client_with_its_reason_and_phase() -> None:
+    state = new_round()
+    report(state, 1, 5)
+    assert state.record_failure(3, "user_code: train raised", "train")
+    close = round_close("j", state)
+    assert (close.round, close.clients) == (4, [1, 5])
+    assert [(f.client, f.reason, f.phase) for f in close.failed] == [
+        (3, "user_code: train raised", "train"), (7, "no update by the round's deadline", "timeout")]
+
+
+def test_an_update_after_a_failure_clears_its_phase_and_a_retry_forgets_failures() -> None:
+    state = new_round()
+    state.record_failure(3, "invalid: x", "invalid")
+    report(state, 3)
+    assert state.phases == {} and [c for c, _, _ in state.unreported()] == [1, 5, 7]
+    state.record_failure(1, "error: y", "error")
+    state.retry(DEADLINE * 2)
+    assert state.phases == {} and all(p == "timeout" for _, _, p in state.unreported())
+
+
+def test_failure_phases_survive_the_schedulers_row() -> None:
+    state = new_round()
+    state.record_failure(3, "user_code: load_data raised", "load_data")
+    row = _state_row(state)
+    assert row is not None
+    restored = _state_from_row(json.loads(json.dumps(row)))
+    assert restored is not None and restored.phases == {3: "load_data"}
+    old = _state_from_row({k: v for k, v in row.items() if k != "phases"})  # a row written before phases
+    assert old is not None and old.phases == {}
 
 
 @settings(max_examples=100, deadline=None)

@@ -182,7 +182,8 @@ def test_tasks_load_by_builtin_name_or_reference() -> None:
 @pytest.mark.parametrize(
     ("ref", "problem"),
     [
-        ("no_such_module_xyz:Task", "no module named"),
+        ("tests.no_such_module_xyz:Task", "no module named"),
+        ("no_such_module_xyz:Task", "no module named"),  # in the user's process: a typo, said so
         ("tests.unit.test_task_contract:Nope", "has no attribute"),
         ("tests.unit.test_task_contract:runtime", "not a subclass of fedmq.Task"),
         ("not-a-ref", "built-in name"),
@@ -259,3 +260,58 @@ def test_importing_fedmq_does_not_import_torch() -> None:
     code = "import sys, fedmq; assert 'torch' not in sys.modules, 'torch imported'; print(fedmq.Task)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+class OwnLoop(Line):
+    """A Task with its own `train` that misbehaves as its option says, and records the model's mode."""
+
+    def __init__(self, fail: str = "") -> None:
+        super().__init__()
+        self.fail = fail
+        self.modes: list[tuple[str, bool]] = []
+
+    def train(self, model: nn.Module, data: Any, ctx: fedmq.TrainContext) -> Any:
+        self.modes.append(("train", model.training))
+        if self.fail == "dict":
+            return {"loss": 1.0}
+        if self.fail == "count":
+            return fedmq.TrainResult(num_examples=-1)
+        with torch.no_grad():
+            if self.fail == "nan":
+                next(model.parameters()).fill_(float("nan"))
+            if self.fail == "shape":
+                model.weight = nn.Parameter(torch.zeros(2, 1))
+        return fedmq.TrainResult(num_examples=8, metrics={"loss": 0.5})
+
+    def evaluate(self, model: nn.Module, data: Any, ctx: fedmq.EvalContext) -> dict[str, float]:
+        self.modes.append(("evaluate", model.training))
+        return {"loss": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("fail", "message"),
+    [
+        ("dict", "returned a dict, expected fedmq.TrainResult"),
+        ("count", "num_examples must be a non-negative int"),
+        ("shape", "changed names, shapes or dtypes"),
+        ("nan", "NaN or infinite values in weight"),
+    ],
+)
+def test_a_train_that_returns_the_wrong_thing_or_breaks_the_model_is_named(fail: str, message: str) -> None:
+    rt = runtime(task={"name": "tests.unit.test_task_contract:OwnLoop", "options": {"fail": fail}})
+    with pytest.raises(UserCodeError) as caught:
+        rt.train(rt.build_model(), rt.load_data(3, None), train_ctx(rt, 3))
+    assert caught.value.phase == "train" and caught.value.client == 3 and caught.value.round == 1
+    assert message in str(caught.value)
+
+
+def test_train_always_gets_a_model_in_training_mode_and_evaluate_one_in_eval_mode() -> None:
+    rt = runtime(task={"name": "tests.unit.test_task_contract:OwnLoop"})
+    task = rt.task
+    assert isinstance(task, OwnLoop)
+    model, data = rt.build_model(), rt.load_data(0, None)
+    model.eval()  # as a learner's shared model is after it evaluated for another client
+    rt.train(model, data, train_ctx(rt))
+    rt.evaluate(model, data.val, fedmq.EvalContext(round=1, seed=1, device=CPU))
+    rt.train(model, data, train_ctx(rt))
+    assert task.modes == [("train", True), ("evaluate", False), ("train", True)]

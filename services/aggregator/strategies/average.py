@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedmq.services.aggregator.strategies.base import ClientResult
+from fedmq.common.strategy.contract import ClientResult
 from fedmq.services.aggregator.strategies.fedavg import FedAvg
 
 

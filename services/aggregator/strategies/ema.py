@@ -6,17 +6,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import torch
+from pydantic import Field
+
+from fedmq.common.strategy.contract import Aggregate, ClientFailed, ClientResult, RoundContext
 from fedmq.services.aggregator.kernels import moving_average
 from fedmq.services.aggregator.strategies.average import Average
-from fedmq.services.aggregator.strategies.base import ClientResult, StateDict
+from fedmq.services.aggregator.strategies.options import BuiltinOptions
 
 
 class MovingAverage(Average):
-    def __init__(self, momentum: float) -> None:
-        self.momentum = momentum
+    class Options(BuiltinOptions):
+        momentum: float = Field(0.9, ge=0, lt=1)
 
-    def aggregate(self, server_round: int, current: StateDict, results: Sequence[ClientResult]) -> StateDict:
-        averaged = super().aggregate(server_round, current, results)
-        return averaged if server_round == 1 else moving_average(current, averaged, self.momentum)
+    options: Options
+
+    def aggregate(
+        self,
+        ctx: RoundContext,
+        current: Mapping[str, torch.Tensor],
+        results: Sequence[ClientResult],
+        failures: Sequence[ClientFailed],
+    ) -> Aggregate:
+        averaged = self.average(results)
+        if ctx.round == 1:
+            return Aggregate(averaged)
+        return Aggregate(moving_average(current, averaged, self.options.momentum))

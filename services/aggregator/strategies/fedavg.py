@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import torch
+
+from fedmq.common.strategy.contract import (
+    Aggregate,
+    ClientFailed,
+    ClientResult,
+    RoundContext,
+    StateDict,
+    Strategy,
+)
 from fedmq.services.aggregator.kernels import weighted_mean
-from fedmq.services.aggregator.strategies.base import ClientResult, StateDict, Strategy
 
 
 class FedAvg(Strategy):
     def weight(self, result: ClientResult) -> float:
+        """How much a client counts in the mean: its example count."""
         return float(result.num_examples)
 
-    def aggregate(
-        self, server_round: int, current: StateDict, results: Sequence[ClientResult]
-    ) -> StateDict:
+    def average(self, results: Sequence[ClientResult]) -> StateDict:
+        """The weighted mean of the results, folded one client at a time in client order."""
         return weighted_mean((r.load(), self.weight(r)) for r in results)
+
+    def aggregate(
+        self,
+        ctx: RoundContext,
+        current: Mapping[str, torch.Tensor],
+        results: Sequence[ClientResult],
+        failures: Sequence[ClientFailed],
+    ) -> Aggregate:
+        return Aggregate(self.average(results))

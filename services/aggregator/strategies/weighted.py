@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Annotated
 
-from fedmq.services.aggregator.strategies.base import ClientResult
+from pydantic import Field
+
+from fedmq.common.strategy.contract import ClientResult
 from fedmq.services.aggregator.strategies.fedavg import FedAvg
+from fedmq.services.aggregator.strategies.options import BuiltinOptions
 
 
 class Weighted(FedAvg):
-    def __init__(self, weights: Sequence[float]) -> None:
-        self.weights = list(weights)
+    class Options(BuiltinOptions):
+        weights: list[Annotated[float, Field(ge=0)]] = []
+
+    options: Options
 
     def weight(self, result: ClientResult) -> float:
-        return self.weights[result.client] if result.client < len(self.weights) else 1.0
+        weights = self.options.weights
+        return weights[result.client] if result.client < len(weights) else 1.0

@@ -1,4 +1,4 @@
-"""Aggregation maths: pure functions over state dicts. No I/O, no settings, no logging.
+"""Means: weighted averages of state dicts, server momentum, moving averages.
 
 Results are folded one at a time (streaming, O(model) memory) in the order the
 caller gives; callers give a canonical order (by client id) so that the result

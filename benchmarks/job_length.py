@@ -1,0 +1,60 @@
+"""Flat in job length: a steady round late in a long job against one early in it (issue 16).
+
+One embedded job (the scheduler's durable store is the same SQLite as on RabbitMQ), digits with
+10 clients a round and one SGD step each (about zero compute), 600 rounds. Figure: the median
+round time over rounds 580-600; baseline: the median over rounds 10-30 of the same run.
+Prints one JSON object. Target: ratio <= 1.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from fedmq.common.jobspec import load_job  # noqa: E402
+from fedmq.common.logging import configure_logging  # noqa: E402
+from fedmq.common.messages import JobEvent  # noqa: E402
+from fedmq.common.settings import Settings  # noqa: E402
+from fedmq.services.cli.embedded import run_job  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=600)
+    args = parser.parse_args()
+    configure_logging("json", "error")
+    spec = load_job(REPO / "examples" / "digits.yaml").with_changes(
+        rounds=args.rounds, train={"max_steps": 1, "epochs": 1},
+        task={"name": "digits", "options": {"model": {"name": "mlp", "hidden": [16]}}},
+        evaluate={"every": args.rounds},
+    )
+    starts: dict[int, float] = {}
+
+    def seen(event: JobEvent) -> None:
+        if event.kind == "round_started" and event.round is not None:
+            starts[event.round] = time.perf_counter()
+
+    with tempfile.TemporaryDirectory() as state:
+        result = run_job(spec, Settings(state_dir=Path(state)), on_event=seen)
+    assert result["status"] == "completed", result
+    per_round = {r: starts[r + 1] - starts[r] for r in starts if r + 1 in starts}
+    late_from = args.rounds - 20
+    early = statistics.median(per_round[r] for r in range(10, 31))
+    late = statistics.median(per_round[r] for r in range(late_from, args.rounds) if r in per_round)
+    print(json.dumps({
+        "benchmark": "job_length", "rounds": args.rounds,
+        "round_s_late": round(late, 5), "baseline_round_s_early": round(early, 5),
+        "ratio": round(late / early, 3), "target_ratio": 1.1,
+    }))
+
+
+if __name__ == "__main__":
+    main()

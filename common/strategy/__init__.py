@@ -1,0 +1,1 @@
+"""Strategies: the public contract (contract), per-client state on disk (clients), loading by name."""

@@ -1,0 +1,197 @@
+"""DDP jobs (seed 003): pick a group of learners, rank them, launch, watch, restart or finish.
+
+    accepted ─▶ (enough idle learners) ─▶ DdpLaunch × world_size ─▶ each learner's own queue
+       ▲                                        │
+       │        DdpExit(code ≠ 0), or a member's learner lost ─▶ DdpStop to the rest
+       └──────── restarts left: attempt + 1, from the last checkpoint ◀──┘   none left: failed
+    DdpStored(checkpoint) ─▶ the restart point    every rank exited 0 + DdpStored(final) ─▶ completed
+
+The group is chosen among alive learners in no group and not busy (on `ddp.nodes` if named)
+in seed 003's order, so the ranks are that order's: the master node first, the other nodes by
+name, workers by replica. The job's state (group, attempt, exits, checkpoint) lives in its
+row, so a restarted scheduler goes on with it; a group whose members it does not hear from
+within their liveness is torn down and started again like any failed one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+
+from fedmq.common.bus import topology
+from fedmq.common.bus.base import Bus
+from fedmq.common.messages import DdpExit, DdpLaunch, DdpStop, DdpStored, to_wire
+from fedmq.services.scheduler.jobs import COMPLETED, FAILED, RUNNING, SchedJob
+from fedmq.services.scheduler.registry import LearnerInfo, Registry, assign_ranks
+
+log = structlog.get_logger("fedmq.scheduler")
+
+
+def new_group(job: SchedJob) -> dict[str, Any]:
+    assert job.spec.ddp is not None
+    return {"attempt": 0, "members": {}, "exits": {}, "restarts_left": job.spec.ddp.max_restarts,
+            "checkpoint": "", "step": 0, "final": None, "started": 0.0}
+
+
+class DdpLoop:
+    """DDP groups of SchedulerService, which owns the attributes declared here."""
+
+    bus: Bus
+    jobs: dict[str, SchedJob]
+    registry: Registry
+
+    def _finish(self, job: SchedJob, status: str, reason: str, **data: Any) -> None:
+        raise NotImplementedError  # loop.JobLoop
+
+    def _event(self, job_id: str, kind: Any, round: int | None = None, rounds: int | None = None,
+               data: dict[str, Any] | None = None) -> None:
+        raise NotImplementedError  # loop.JobLoop
+
+    def _save(self, job: SchedJob) -> None:
+        raise NotImplementedError  # loop.JobLoop
+
+    # -- forming and launching ---------------------------------------------------------------
+
+    def _hearing_learners(self) -> bool:
+        raise NotImplementedError  # loop.JobLoop
+
+    def ddp_tick(self) -> None:
+        """Each sweep: launch groups that wait for learners, tear down those that lost one.
+
+        Not while the scheduler has just started: it has not heard its learners yet, and a group
+        that runs on must not be taken for lost (nor a new one formed on too few learners)."""
+        if self._hearing_learners():
+            return
+        alive = {info.learner for info in self.registry.alive()}
+        for job in list(self.jobs.values()):
+            if job.status != RUNNING or job.group is None:
+                continue
+            group = job.group
+            if not group["members"]:
+                if self._launch(job):
+                    self._save(job)
+                continue
+            lost = sorted(name for name in group["members"] if name not in alive)
+            if lost:
+                member = group["members"][lost[0]]
+                self._group_failed(job, member["rank"], member["node"], f"its learner {lost[0]} was lost")
+                self._save(job)
+
+    def _busy_learners(self) -> set[str]:
+        return {name for job in self.jobs.values() if job.status == RUNNING and job.group
+                for name in job.group["members"]}
+
+    def _launch(self, job: SchedJob) -> bool:
+        """Pick, rank and launch the group if enough learners are free; False to wait."""
+        spec, group = job.spec.ddp, job.group
+        assert spec is not None and group is not None
+        taken = self._busy_learners()
+        free = [info for info in self.registry.alive()
+                if info.learner not in taken and not info.busy and not info.group
+                and (not spec.nodes or info.node in spec.nodes)]
+        if len(free) < spec.world_size:
+            return False
+        master = spec.master_node or _first_node(free)
+        order = sorted(free, key=lambda i: (i.node != master, i.node, i.replica, i.learner))
+        chosen = order[: spec.world_size]
+        ranks = assign_ranks([(i.learner, i.node, i.replica) for i in chosen], master)
+        master_addr = spec.master_addr or next(i.node for i in chosen if ranks[i.learner].rank == 0)
+        backend = spec.backend
+        if backend == "auto":
+            backend = "nccl" if all(i.device.startswith("cuda") for i in chosen) else "gloo"
+        group["members"] = {i.learner: {"rank": ranks[i.learner].rank, "node": i.node} for i in chosen}
+        group["exits"], group["started"] = {}, time.time()
+        for info in chosen:
+            r = ranks[info.learner]
+            launch = DdpLaunch(
+                job_id=job.job_id, attempt=group["attempt"], rank=r.rank, local_rank=r.local_rank,
+                node_rank=r.node_rank, world_size=r.world_size, master_addr=master_addr,
+                master_port=spec.master_port, backend=backend, spec=job.raw_spec,
+                resume_digest=group["checkpoint"],
+            )
+            self.bus.publish(topology.learner_queue(info.learner), to_wire(launch))
+        job.round = 1
+        log.info("ddp_launched", attempt=group["attempt"], master=master_addr, backend=backend,
+                 members={name: m["rank"] for name, m in group["members"].items()},
+                 resume=group["checkpoint"][:12])
+        self._event(job.job_id, "round_started", round=1, data={
+            "clients": spec.world_size, "attempt": group["attempt"],
+            "ranks": {name: m["rank"] for name, m in group["members"].items()},
+        })
+        return True
+
+    # -- what the learners and the aggregator say --------------------------------------------
+
+    def ddp_exit(self, job: SchedJob, msg: DdpExit) -> None:
+        group = job.group
+        if group is None or msg.attempt != group["attempt"] or not group["members"]:
+            log.info("ddp_exit_stale", attempt=msg.attempt, rank=msg.rank)
+            return
+        member = group["members"].get(msg.learner)
+        if member is None or member["rank"] != msg.rank:  # only the learner running that rank says so
+            log.warning("ddp_exit_refused", learner=msg.learner, rank=msg.rank)
+            return
+        group["exits"][str(msg.rank)] = msg.code
+        log.info("ddp_rank_exited", rank=msg.rank, node=msg.node, code=msg.code)
+        if msg.code != 0:
+            last = next((line for line in reversed(msg.tail.splitlines()) if line.strip()), "")
+            reason = f"exit code {msg.code}" + (f": {last}" if last else "")
+            self._group_failed(job, msg.rank, msg.node, reason)
+            return
+        self._maybe_done(job)
+
+    def ddp_stored(self, job: SchedJob, msg: DdpStored) -> None:
+        group = job.group
+        if group is None or msg.attempt != group["attempt"]:
+            return
+        if msg.kind == "checkpoint":
+            group["checkpoint"], group["step"] = msg.digest, msg.step
+            log.info("ddp_checkpoint", step=msg.step, digest=msg.digest[:12])
+            return
+        group["final"] = {"digest": msg.digest, "model_path": msg.model_path}
+        job.model_digest = msg.digest
+        self._maybe_done(job)
+
+    def _maybe_done(self, job: SchedJob) -> None:
+        group = job.group
+        assert group is not None and job.spec.ddp is not None
+        if len(group["exits"]) < job.spec.ddp.world_size or group["final"] is None:
+            return
+        record = {
+            "round": 1, "metrics": {}, "clients": job.spec.ddp.world_size, "failed": 0, "num_examples": 0,
+            "seconds": time.time() - group["started"], "model_digest": group["final"]["digest"],
+            "model_path": group["final"]["model_path"], "sync": {},
+            "attempts": group["attempt"] + 1,
+        }
+        job.history.append(record)
+        self._event(job.job_id, "round_completed", round=1, data=record)
+        group["members"] = {}
+        self._finish(job, COMPLETED, "", model_path=record["model_path"])
+
+    def _group_failed(self, job: SchedJob, rank: int, node: str, reason: str) -> None:
+        """Tear the group down; start it again from the last checkpoint, or fail the job."""
+        group = job.group
+        assert group is not None and job.spec.ddp is not None
+        for name in group["members"]:
+            stop = DdpStop(job_id=job.job_id, attempt=group["attempt"])
+            self.bus.publish(topology.learner_queue(name), to_wire(stop))
+        used = job.spec.ddp.max_restarts - group["restarts_left"]
+        if group["restarts_left"] <= 0:
+            group["members"] = {}
+            self._finish(job, FAILED, (
+                f"DDP rank {rank} on node {node} failed: {reason}; {used} of {job.spec.ddp.max_restarts} "
+                "restarts used (ddp.max_restarts)"
+            ))
+            return
+        log.warning("ddp_restart", rank=rank, node=node, reason=reason[:300], attempt=group["attempt"] + 1,
+                    resume=group["checkpoint"][:12])
+        group["restarts_left"] -= 1
+        group["attempt"] += 1
+        group["members"], group["exits"], group["final"] = {}, {}, None
+        self._launch(job)
+
+
+def _first_node(infos: list[LearnerInfo]) -> str:
+    return sorted(info.node for info in infos)[0]

@@ -1,0 +1,77 @@
+"""What `fedmq run` and `fedmq submit` refuse before anything runs or is published, and how fast:
+one line and exit 2 for a spec that is no text, a Task's own check of the job, a typo without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+from typer.testing import CliRunner
+
+import fedmq
+from fedmq.services.cli.main import app
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FewSamples(fedmq.Task):
+    """A Task whose data can feed at most three clients, and says so before the job starts."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Linear(1, 1)
+
+    def check_job(self, ctx: fedmq.DataContext) -> None:
+        if ctx.num_clients > 3:
+            raise ValueError(f"clients.total ({ctx.num_clients}) exceeds the 3 samples; lower it to 3")
+
+
+def write(tmp_path: Path, data: bytes | str) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_a_spec_that_is_not_utf8_is_one_error_line_and_exit_2(tmp_path: Path, command: str) -> None:
+    job = write(tmp_path, "name: caf\xe9\nrounds: 1\n".encode("latin-1"))
+    result = CliRunner().invoke(app, [command, job])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    first = result.output.splitlines()[0]
+    assert first == (f"error: {job} is not UTF-8 text (byte 0xe9 on line 1); save it as UTF-8, "
+                     "or check it is the job spec")
+
+
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_a_tasks_own_check_of_the_job_refuses_it_before_anything_runs(tmp_path: Path, command: str) -> None:
+    task = f"{__name__}:FewSamples"
+    job = write(tmp_path, f"name: few\nrounds: 1\ntask: {task}\nclients: {{total: 4}}\n")
+    state = ["--state-dir", str(tmp_path / "state")] if command == "run" else []
+    result = CliRunner().invoke(app, [command, job, *state])  # submit: refused before any broker
+    assert result.exit_code == 2, result.output
+    refusal = f"error: task '{task}' cannot run this job: clients.total (4) exceeds the 3 samples"
+    assert refusal in result.output
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_task_accepts_every_job_unless_it_checks() -> None:
+    fedmq.Task().check_job(fedmq.DataContext(client=-1, num_clients=10**6, seed=0))  # raises nothing
+
+
+def test_a_spec_typo_is_reported_without_importing_torch(tmp_path: Path) -> None:
+    job = write(tmp_path, "name: typo\nrounds: 1\nclients: {total: 2}\nrouns: 3\n")
+    probe = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from fedmq.services.cli.main import app\n"
+        f"for command in ('run', 'submit'):\n"
+        f"    result = CliRunner().invoke(app, [command, {job!r}])\n"
+        "    assert result.exit_code == 2 and \"did you mean 'rounds'\" in result.output, result.output\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
