@@ -14,7 +14,7 @@ run: $(STAMP)
 # Lint first: a lint error fails the build before the tests take their minutes. Two workers
 # (pytest-xdist): the end-to-end tests mostly wait on their services, so two share the cores
 # well (measured: the broker tier in 8.5 min instead of 13 on 2 cores). TEST_WORKERS=0: serial.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: lint broker tools
 	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 

@@ -215,8 +215,11 @@ class JobLoop:
             self._arm_deadline(job)
         elif decision is Decision.FAIL:
             reasons = sorted(set(state.failed.values()))[:3]
+            nobody = "" if self.registry.alive_count else (
+                "no learner is alive: start one with `fedmq learner` on this broker and vhost "
+                "(`fedmq learners` lists them); ")
             self._finish(job, FAILED, (
-                f"round {state.round}: {len(state.reported)} of {len(state.clients)} clients "
+                f"round {state.round}: {nobody}{len(state.reported)} of {len(state.clients)} clients "
                 f"reported, quorum is {state.quorum}; failures: {reasons or 'timeouts'}"
             ))
 

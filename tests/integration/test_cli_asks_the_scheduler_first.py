@@ -122,7 +122,8 @@ def test_submit_with_no_learner_alive_warns_and_the_job_waits_then_fails_as_it_s
         assert "warning: no learner is alive" in result.output
         assert "with none it fails after 2 s (round_timeout_s 1 x 2 attempts)" in result.output
         failed = running.wait_for("failed")
-        assert failed.data["reason"].startswith("round 1: 0 of 5 clients reported")
+        assert failed.data["reason"].startswith("round 1: no learner is alive: start one with `fedmq")
+        assert "0 of 5 clients reported" in failed.data["reason"]
         again = fedmq("cancel", failed.job_id)  # an ended job: nothing to do, and it says so
     assert again.exit_code == 0 and "no longer running (failed): nothing to cancel" in again.output
 

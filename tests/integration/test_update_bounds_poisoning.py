@@ -56,14 +56,14 @@ def test_boosted_updates_clipped_to_the_norm_bound_leave_the_job_within_3_points
     assert defended["dead_letters"] == {}, "clipped, not refused"
 
 
-@pytest.mark.slow  # each round with a liar waits for its deadline (2 s): the liar's update never comes
+@pytest.mark.slow  # each round with a liar waits for its deadline (1 s): the liar's update never comes
 def test_boosted_updates_rejected_by_the_norm_bound_leave_the_job_within_3_points(
     transport: Transport,
 ) -> None:
     # Rejected updates cost their clients: on IID data the others make up for them.
     clean = accuracy(run(transport, job("iid")))
     defended = run(transport, job("iid", task=liar("iid", scale=100.0), clients__max_update_norm=REJECT,
-                                  clients__min_fit=2, round_timeout_s=2))
+                                  clients__min_fit=2, round_timeout_s=1))
     assert accuracy(defended) >= clean - POINTS
     assert defended["dead_letters"].get("update_norm", 0) >= 1
     assert set(defended["dead_letters"]) == {"update_norm"}
