@@ -25,7 +25,7 @@ pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
 LEARNERS = 3
 CLOSES = 8
 LEAST_CLOSES = 3  # a close costs about a round (reconnects, redeliveries): the job may end first
-FRAME_BYTES = 64 * 1024  # the smallest frame: a 4.4 MB update goes as ~70 chunks
+FRAME_BYTES = 64 * 1024  # the smallest frame: a 1.2 MB update goes as ~19 chunks
 
 
 def chunked_job(tmp_path: Path, rounds: int = 6) -> Path:
@@ -33,7 +33,7 @@ def chunked_job(tmp_path: Path, rounds: int = 6) -> Path:
     spec = tmp_path / "chunked.yaml"
     spec.write_text(
         (REPO / "examples" / "digits.yaml").read_text()
-        .replace("hidden: [128]", "hidden: [1024, 1024]").replace("rounds: 30", f"rounds: {rounds}")
+        .replace("hidden: [128]", "hidden: [512, 512]").replace("rounds: 30", f"rounds: {rounds}")
         .replace("epochs: 5", "epochs: 1")
     )
     return spec

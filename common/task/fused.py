@@ -1,0 +1,302 @@
+"""Training a round's clients together: one batched step for every client whose next batch has the same size.
+
+    rows[name]   (G, *shape)       one row per client, each starting from the round's global weights
+    step t       every client with a t-th batch (its own order, drawn exactly as the sequential
+                 loop draws it); those with batches of equal size form one group, and the group's
+                 gradients come from one call: vmap(grad(loss))(rows[group], batches[group])
+    update       the optimizer's arithmetic on the group's rows: SGD (momentum, weight decay),
+                 Adam, the FedProx proximal gradient mu·(w − w_global)
+
+Grouping by exact batch size keeps the Task's loss as written (a mean over its batch, with the
+batch it would have had): no padding, no masks, nothing the Task must know. Fused and sequential
+training agree within float tolerance, not bit for bit: batched matrix products and the
+optimizer's updates reduce in another order (tests/unit/test_fused.py bounds the difference).
+A fused run is bit-reproducible with itself for the same group of clients.
+
+`train_fused` answers None when it cannot fuse, and the caller trains one client at a time as
+before: data that is not indexable (a DataLoader), a model with buffers (BatchNorm statistics),
+a loss that draws random numbers (dropout), metrics that are not tensors or floats, SCAFFOLD's
+controls, or `max_steps`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fedmq.common.strategy.contract import PROXIMAL_MU
+from fedmq.common.task.batches import Source, batch_size_of, source
+from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
+from fedmq.common.task.loop import split_loss
+
+if TYPE_CHECKING:
+    from fedmq.common.task.contract import Task
+
+__all__ = ["Fused", "can_fuse", "group_size", "train_fused"]
+
+ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which the sequential loop uses
+ADAM_EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One client's outcome: its trained weights (detached, on the model's device) and its result."""
+
+    weights: dict[str, torch.Tensor]
+    result: TrainResult
+
+
+def can_fuse(model: nn.Module, ctx: TrainContext) -> str | None:
+    """Why this client's training cannot be fused (None: it can), from what is known before data."""
+    if ctx.train.max_steps is not None:
+        return "train.max_steps is set"
+    if "scaffold" in ctx.config:
+        return "SCAFFOLD's controls are not fused"
+    if ctx.train.optimizer not in ("sgd", "adam"):
+        return f"optimizer {ctx.train.optimizer!r} is not fused"
+    if any(True for _ in model.buffers()):
+        return "the model has buffers (BatchNorm statistics), kept per client only sequentially"
+    return None
+
+
+def group_size(model: nn.Module, settings: TrainSettings, budget_bytes: int) -> int:
+    """How many clients fit a memory budget: per client, the weights, their gradients and the
+    optimizer's state (one tensor for SGD with momentum, two for Adam). At least 1."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    states = 2 if settings.optimizer == "adam" else 1 if settings.momentum else 0
+    per_client = weights * (2 + states)
+    return max(1, budget_bytes // max(1, per_client))
+
+
+def train_fused(
+    task: Task, model: nn.Module, datas: Sequence[Any], ctxs: Sequence[TrainContext]
+) -> list[Fused] | None:
+    """Train each client (`datas[i]`, `ctxs[i]`) from `model`'s weights, all at once; None: cannot fuse.
+
+    Every context must share one round and one `train` section; `model` is not changed.
+    """
+    if not ctxs or any(can_fuse(model, ctx) for ctx in ctxs):
+        return None
+    settings = ctxs[0].train
+    if any(ctx.train != settings or ctx.config != ctxs[0].config for ctx in ctxs):
+        return None
+    sources = [source(data, "training data") for data in datas]
+    if not all(src.indexable for src in sources):
+        return None
+    device = ctxs[0].device
+    try:
+        return _Trainer(task, model, sources, ctxs, device).run()
+    except _CannotFuse:
+        return None
+
+
+class _CannotFuse(Exception):
+    """The loss did something vmap cannot batch (random numbers, a data-dependent branch)."""
+
+
+class _Call(nn.Module):
+    """The Task's loss as a module, so functional_call can swap the model's weights for a row's."""
+
+    def __init__(self, task: Task, model: nn.Module) -> None:
+        super().__init__()
+        self.task = task
+        self.model = model
+
+    def forward(self, batch: Any) -> Any:
+        return self.task.loss(self.model, batch)  # type: ignore[attr-defined]
+
+
+class _Trainer:
+    def __init__(
+        self, task: Task, model: nn.Module, sources: list[Source], ctxs: Sequence[TrainContext],
+        device: torch.device,
+    ) -> None:
+        self.call = _Call(task, model)
+        self.ctxs = ctxs
+        self.settings = ctxs[0].train
+        self.device = device
+        self.count = len(ctxs)
+        self.names = [name for name, _ in model.named_parameters()]
+        start = {name: p.detach().to(device) for name, p in model.named_parameters()}
+        self.rows = {name: w.unsqueeze(0).repeat(self.count, *([1] * w.dim())) for name, w in start.items()}
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        mu = float(ctxs[0].config.get(PROXIMAL_MU, 0.0))
+        self.mu = mu
+        self.anchor = (
+            {n: ctxs[0].global_weights[n].to(device) for n in self.names if n in ctxs[0].global_weights}
+            if mu > 0 else {}
+        )
+        self.streams = [
+            _stream(src, self.settings, ctx.generator) for src, ctx in zip(sources, ctxs, strict=True)
+        ]
+        self.sums: list[dict[str, torch.Tensor]] = [{} for _ in ctxs]
+        self.seen = [0] * self.count
+        self.metric_names: list[str] | None = None
+        self.grad = torch.func.vmap(
+            torch.func.grad_and_value(self._loss, has_aux=True), in_dims=(0, 0), randomness="error"
+        )
+
+    def _loss(
+        self, params: dict[str, torch.Tensor], batch: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = torch.func.functional_call(self.call, {f"model.{n}": p for n, p in params.items()}, (batch,))
+        loss, metrics = split_loss(out)
+        aux = {"loss": loss.detach()}
+        for name, value in metrics.items():
+            tensor = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            aux[name] = tensor.reshape(())
+        return loss, aux
+
+    def run(self) -> list[Fused]:
+        self.call.model.train()
+        step = 0
+        while True:
+            pending: dict[tuple[int, ...] | int, list[tuple[int, Any, bool]]] = {}
+            for i, stream in enumerate(self.streams):
+                item = next(stream, None)
+                if item is not None:
+                    batch, new_epoch = item
+                    pending.setdefault(_signature(batch), []).append((i, batch, new_epoch))
+            if not pending:
+                break
+            step += 1
+            for group in pending.values():
+                self._step(group, step)
+        return [self._outcome(i) for i in range(self.count)]
+
+    def _step(self, group: list[tuple[int, Any, bool]], step: int) -> None:
+        index = torch.tensor([i for i, _, _ in group], device=self.device)
+        whole = len(group) == self.count
+        params = {n: (r if whole else r.index_select(0, index)) for n, r in self.rows.items()}
+        batches = _stack([batch for _, batch, _ in group], self.device)
+        try:
+            grads, (_, aux) = self.grad(params, batches)
+        except RuntimeError as err:  # randomness="error", or an op vmap has no batching rule for
+            raise _CannotFuse(str(err)) from err
+        new = self._update(params, grads, index, whole, step)
+        for n in self.names:
+            if whole:
+                self.rows[n] = new[n]
+            else:
+                self.rows[n].index_copy_(0, index, new[n])
+        size = batch_size_of(group[0][1])
+        for row, (i, _, new_epoch) in enumerate(group):
+            if new_epoch:  # the result reports the last epoch, as the sequential loop does
+                self.sums[i], self.seen[i] = {}, 0
+            for name, values in aux.items():
+                term = values[row].to(torch.float64) * size
+                self.sums[i][name] = self.sums[i][name] + term if name in self.sums[i] else term
+            self.seen[i] += size
+
+    def _update(
+        self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], index: torch.Tensor,
+        whole: bool, step: int,
+    ) -> dict[str, torch.Tensor]:
+        """One optimizer step for the group's rows, as torch.optim's single-tensor SGD and Adam do it."""
+        s = self.settings
+        out = {}
+        for n in self.names:
+            p, g = params[n], grads[n]
+            if self.mu > 0 and n in self.anchor:
+                g = g + self.mu * (p - self.anchor[n])
+            if s.weight_decay:
+                g = g + s.weight_decay * p
+            if s.optimizer == "adam":
+                out[n] = self._adam(n, p, g, index, whole, step)
+                continue
+            if s.momentum:
+                buf = self._state(n, "momentum", g, index, whole, first=step == 1)
+                g = buf
+            out[n] = p - s.lr * g
+        return out
+
+    def _state(
+        self, name: str, key: str, value: torch.Tensor, index: torch.Tensor, whole: bool, first: bool
+    ) -> torch.Tensor:
+        """SGD's momentum buffer for the group's rows: g on the first step, momentum·buf + g after."""
+        slot = self.state.setdefault(name, {})
+        if first:
+            if key not in slot:
+                slot[key] = torch.zeros_like(self.rows[name])
+            new = value
+        else:
+            old = slot[key] if whole else slot[key].index_select(0, index)
+            new = self.settings.momentum * old + value
+        if whole:
+            slot[key] = new
+        else:
+            slot[key].index_copy_(0, index, new)
+        return new
+
+    def _adam(
+        self, name: str, p: torch.Tensor, g: torch.Tensor, index: torch.Tensor, whole: bool, step: int
+    ) -> torch.Tensor:
+        b1, b2 = ADAM_BETAS
+        slot = self.state.setdefault(name, {})
+        if "m" not in slot:
+            slot["m"], slot["v"] = torch.zeros_like(self.rows[name]), torch.zeros_like(self.rows[name])
+        m = slot["m"] if whole else slot["m"].index_select(0, index)
+        v = slot["v"] if whole else slot["v"].index_select(0, index)
+        m = m.lerp(g, 1 - b1)
+        v = v * b2 + (1 - b2) * g * g
+        if whole:
+            slot["m"], slot["v"] = m, v
+        else:
+            slot["m"].index_copy_(0, index, m)
+            slot["v"].index_copy_(0, index, v)
+        correction1 = 1 - b1**step
+        correction2 = math.sqrt(1 - b2**step)
+        denom = v.sqrt() / correction2 + ADAM_EPS
+        return p - (self.settings.lr / correction1) * (m / denom)
+
+    def _outcome(self, i: int) -> Fused:
+        weights = {n: self.rows[n][i].detach().clone() for n in self.names}
+        seen = self.seen[i]
+        sums = self.sums[i]
+        if sums and seen:
+            names = list(sums)
+            values = torch.stack([sums[n] for n in names]).cpu().tolist()  # one host sync per client
+            metrics = {n: float(v) / seen for n, v in zip(names, values, strict=True)}
+        else:
+            metrics = {}
+        return Fused(weights, TrainResult(seen, metrics))
+
+
+def _stream(src: Source, settings: TrainSettings, generator: torch.Generator) -> Iterator[tuple[Any, bool]]:
+    """A client's batches over all its epochs, drawn as `Source.batches` draws them; True for an
+    epoch's first batch."""
+    for _ in range(settings.epochs):
+        first = True
+        for batch in src.batches(settings.batch_size, generator):
+            yield batch, first
+            first = False
+
+
+def _signature(batch: Any) -> tuple[int, ...] | int:
+    """What must match for batches to stack: every tensor's shape (and so the batch size)."""
+    if isinstance(batch, torch.Tensor):
+        return (hash((tuple(batch.shape), batch.dtype)),)
+    if isinstance(batch, tuple | list):
+        return tuple(h for b in batch for h in _as_tuple(_signature(b)))
+    if isinstance(batch, Mapping):
+        return tuple(h for k in sorted(batch) for h in (hash(k), *_as_tuple(_signature(batch[k]))))
+    raise _CannotFuse(f"a batch of type {type(batch).__name__}")
+
+
+def _as_tuple(value: tuple[int, ...] | int) -> tuple[int, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _stack(batches: list[Any], device: torch.device) -> Any:
+    """Equal-shaped batches of tensors, tuples or dicts stacked on a new leading client axis."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(batches).to(device, non_blocking=True)
+    if isinstance(first, tuple | list):
+        return type(first)(_stack([b[k] for b in batches], device) for k in range(len(first)))
+    return {k: _stack([b[k] for b in batches], device) for k in first}

@@ -1,0 +1,126 @@
+"""Fused training of a round's clients against the sequential loop, client by client.
+
+The reference is `train_with_loss`, one client at a time from the same weights with the same
+generator: fused training must draw the same batches and land within float tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fedmq.common.task.contract import ClientData, Task, TrainContext, TrainSettings
+from fedmq.common.task.fused import group_size, train_fused
+from fedmq.common.task.loop import train_with_loss
+
+TOLERANCE = 1e-5  # float32 weights after a few dozen steps; batched products reduce in another order
+SIZES = [3, 35, 17, 8, 8, 26, 11, 30]  # ragged, as Dirichlet-skewed clients are
+
+
+class Mlp(Task):
+    def __init__(self, dropout: float = 0.0, norm: bool = False) -> None:
+        self.dropout, self.norm = dropout, norm
+
+    def build_model(self) -> nn.Module:
+        layers: list[nn.Module] = [nn.Linear(6, 16)]
+        layers += [nn.BatchNorm1d(16)] if self.norm else []
+        layers += [nn.ReLU(), nn.Dropout(self.dropout)] if self.dropout else [nn.ReLU()]
+        layers += [nn.Linear(16, 3)]
+        return nn.Sequential(*layers)
+
+    def load_data(self, ctx: Any) -> ClientData:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        x, y = batch
+        logits = model(x)
+        return nn.functional.cross_entropy(logits, y), {"accuracy": (logits.argmax(1) == y).float().mean()}
+
+
+def clients(sizes: list[int] = SIZES) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+
+def contexts(
+    model: nn.Module, count: int, settings: TrainSettings, config: dict[str, Any] | None = None
+) -> list[TrainContext]:
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return [
+        TrainContext(client=i, round=1, seed=5, train=settings, device=torch.device("cpu"),
+                     generator=torch.Generator().manual_seed(100 + i), global_weights=weights,
+                     config=config or {})
+        for i in range(count)
+    ]
+
+
+def model_for(task: Mlp) -> nn.Module:
+    torch.manual_seed(0)
+    return task.build_model()
+
+
+SETTINGS = {
+    "sgd": TrainSettings(epochs=2, batch_size=8, lr=0.1),
+    "sgd-momentum-decay": TrainSettings(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "adam": TrainSettings(epochs=2, batch_size=8, optimizer="adam", lr=0.01, weight_decay=1e-4),
+}
+
+
+@pytest.mark.parametrize("proximal", [0.0, 0.5], ids=["plain", "fedprox"])
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_fused_training_lands_within_tolerance_of_the_sequential_loop(name: str, proximal: float) -> None:
+    task, data = Mlp(), clients()
+    model = model_for(task)
+    config = {"proximal_mu": proximal} if proximal else {}
+    fused = train_fused(task, model, data, contexts(model, len(data), SETTINGS[name], config))
+    assert fused is not None
+    start = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    sequential = contexts(model, len(data), SETTINGS[name], config)
+    for i, (ctx, batch) in enumerate(zip(sequential, data, strict=True)):
+        one = model_for(task)
+        one.load_state_dict(start)
+        result = train_with_loss(task, one, batch, ctx)
+        assert fused[i].result.num_examples == result.num_examples == len(batch[0])
+        for n, p in one.named_parameters():
+            gap = float((fused[i].weights[n] - p.detach()).abs().max())
+            assert gap < TOLERANCE, f"client {i} {n}: fused is {gap:.2e} from sequential"
+            assert not torch.equal(fused[i].weights[n], start[n]), "the client trained"
+        assert set(fused[i].result.metrics) == {"loss", "accuracy"}
+        for metric, value in result.metrics.items():
+            assert fused[i].result.metrics[metric] == pytest.approx(value, abs=1e-5)
+
+
+def test_a_fused_run_is_bit_identical_with_itself_and_leaves_the_model_alone() -> None:
+    task, data = Mlp(), clients()
+    model = model_for(task)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    runs = [train_fused(task, model, data, contexts(model, len(data), SETTINGS["adam"])) for _ in range(2)]
+    assert runs[0] is not None and runs[1] is not None
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
+        assert a.result == b.result
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("why", ["dropout", "batchnorm", "dataloader", "max_steps", "scaffold"])
+def test_what_cannot_be_fused_answers_none_so_the_caller_trains_one_by_one(why: str) -> None:
+    task = Mlp(dropout=0.5 if why == "dropout" else 0.0, norm=why == "batchnorm")
+    model = model_for(task)
+    data: list[Any] = clients()
+    settings = TrainSettings(epochs=1, batch_size=8, max_steps=2 if why == "max_steps" else None)
+    config = {"scaffold": True} if why == "scaffold" else {}
+    if why == "dataloader":
+        data = [torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*d), batch_size=8) for d in data]
+    assert train_fused(task, model, data, contexts(model, len(data), settings, config)) is None
+
+
+def test_the_group_shrinks_with_the_memory_budget() -> None:
+    model = model_for(Mlp())
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    adam = TrainSettings(optimizer="adam")
+    assert group_size(model, adam, budget_bytes=weights * 4 * 10) == 10  # weights, grads, m and v
+    assert group_size(model, TrainSettings(), budget_bytes=weights * 2 * 10) == 10
+    assert group_size(model, adam, budget_bytes=weights) == 1  # too small for two: one at a time
