@@ -1,17 +1,20 @@
-"""Training a round's clients together: one batched step for every client whose next batch has the same size.
+"""Training a round's clients together: one batched step for every client with a next batch.
 
     rows[name]   (G, *shape)       one row per client, each starting from the round's global weights
     step t       every client with a t-th batch (its own order, drawn exactly as the sequential
-                 loop draws it); those with batches of equal size form one group, and the group's
-                 gradients come from one call: vmap(grad(loss))(rows[group], batches[group])
+                 loop draws it) takes its step in one call:
+                   loss averages its examples   batches padded to the step's largest, per-example
+                                                losses (a vmap one level down) masked to the real ones
+                   otherwise                    clients grouped by exact batch size, the loss as written
+                 vmap(grad(loss))(rows[group], batches[group]); which of the two is decided on the
+                 first batch, by comparing the loss of a batch with the mean of its examples' losses
     update       the optimizer's arithmetic on the group's rows: SGD (momentum, weight decay),
                  Adam, the FedProx proximal gradient mu·(w − w_global)
 
-Grouping by exact batch size keeps the Task's loss as written (a mean over its batch, with the
-batch it would have had): no padding, no masks, nothing the Task must know. Fused and sequential
-training agree within float tolerance, not bit for bit: batched matrix products and the
-optimizer's updates reduce in another order (tests/unit/test_fused.py bounds the difference).
-A fused run is bit-reproducible with itself for the same group of clients.
+Fused and sequential training agree within float tolerance, not bit for bit: batched matrix
+products, masked means and the optimizer's updates reduce in another order (tests/unit/test_fused.py
+bounds the difference at 1e-5). A fused run is bit-reproducible with itself for the same group of
+clients; grouping clients differently may change the last bits.
 
 `train_fused` answers None when it cannot fuse, and the caller trains one client at a time as
 before: data that is not indexable (a DataLoader), a model with buffers (BatchNorm statistics),
@@ -140,6 +143,11 @@ class _Trainer:
         self.grad = torch.func.vmap(
             torch.func.grad_and_value(self._loss, has_aux=True), in_dims=(0, 0), randomness="error"
         )
+        self.masked_grad = torch.func.vmap(
+            torch.func.grad_and_value(self._masked_loss, has_aux=True), in_dims=(0, 0, 0), randomness="error"
+        )
+        self.per_example = torch.func.vmap(self._one_example, in_dims=(None, 0), randomness="error")
+        self.masked: bool | None = None  # decided on the first batch: does the loss average its examples?
 
     def _loss(
         self, params: dict[str, torch.Tensor], batch: Any
@@ -151,6 +159,34 @@ class _Trainer:
             tensor = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
             aux[name] = tensor.reshape(())
         return loss, aux
+
+    def _one_example(
+        self, params: dict[str, torch.Tensor], example: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one example, as a batch of one."""
+        return self._loss(params, _unsqueeze(example))
+
+    def _masked_loss(
+        self, params: dict[str, torch.Tensor], batch: Any, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The mean loss over a padded batch's real examples (mask 1), from per-example losses."""
+        losses, aux = self.per_example(params, batch)
+        count = mask.sum()
+        means = {name: (values * mask).sum() / count for name, values in aux.items()}
+        return (losses * mask).sum() / count, means
+
+    def _averages_examples(self, batch: Any) -> bool:
+        """Whether the loss of a batch is the mean of its examples' losses (a cross-entropy, a squared
+        error), so that padded batches with masks give the same gradients; else (BatchNorm-like or
+        pairwise losses) clients are grouped by exact batch size only."""
+        params = dict(self.rows)
+        params = {n: r[0] for n, r in params.items()}
+        with torch.no_grad():
+            whole, _ = self._loss(params, batch)
+            each, _ = self.per_example(params, batch)
+        if batch_size_of(batch) < 2:
+            return True
+        return bool(torch.allclose(whole, each.mean(), rtol=1e-5, atol=1e-6))
 
     def run(self) -> list[Fused]:
         self.call.model.train()
@@ -165,17 +201,38 @@ class _Trainer:
             if not pending:
                 break
             step += 1
-            for group in pending.values():
-                self._step(group, step)
+            if self.masked is None:
+                first = next(iter(pending.values()))[0][1]
+                try:
+                    self.masked = self._averages_examples(_to(first, self.device))
+                except RuntimeError as err:
+                    raise _CannotFuse(str(err)) from err
+            if self.masked and len(pending) > 1:
+                self._step([item for group in pending.values() for item in group], step, padded=True)
+            else:
+                for group in pending.values():
+                    self._step(group, step)
         return [self._outcome(i) for i in range(self.count)]
 
-    def _step(self, group: list[tuple[int, Any, bool]], step: int) -> None:
+    def _step(self, group: list[tuple[int, Any, bool]], step: int, padded: bool = False) -> None:
+        """One optimizer step for `group`; `padded`: its batches differ in size, so each is padded
+        to the largest with copies of its first example, masked out of the loss."""
+        group.sort(key=lambda item: item[0])
         index = torch.tensor([i for i, _, _ in group], device=self.device)
         whole = len(group) == self.count
         params = {n: (r if whole else r.index_select(0, index)) for n, r in self.rows.items()}
-        batches = _stack([batch for _, batch, _ in group], self.device)
+        sizes = [batch_size_of(batch) for _, batch, _ in group]
         try:
-            grads, (_, aux) = self.grad(params, batches)
+            if padded:
+                longest = max(sizes)
+                batches = _stack([_pad(batch, longest) for _, batch, _ in group], self.device)
+                mask = torch.stack([
+                    (torch.arange(longest) < size).to(torch.float32) for size in sizes
+                ]).to(self.device)
+                grads, (_, aux) = self.masked_grad(params, batches, mask)
+            else:
+                batches = _stack([batch for _, batch, _ in group], self.device)
+                grads, (_, aux) = self.grad(params, batches)
         except RuntimeError as err:  # randomness="error", or an op vmap has no batching rule for
             raise _CannotFuse(str(err)) from err
         new = self._update(params, grads, index, whole, step)
@@ -184,8 +241,7 @@ class _Trainer:
                 self.rows[n] = new[n]
             else:
                 self.rows[n].index_copy_(0, index, new[n])
-        size = batch_size_of(group[0][1])
-        for row, (i, _, new_epoch) in enumerate(group):
+        for row, ((i, _, new_epoch), size) in enumerate(zip(group, sizes, strict=True)):
             if new_epoch:  # the result reports the last epoch, as the sequential loop does
                 self.sums[i], self.seen[i] = {}, 0
             for name, values in aux.items():
@@ -290,6 +346,33 @@ def _signature(batch: Any) -> tuple[int, ...] | int:
 
 def _as_tuple(value: tuple[int, ...] | int) -> tuple[int, ...]:
     return value if isinstance(value, tuple) else (value,)
+
+
+def _unsqueeze(example: Any) -> Any:
+    """One example (tensors without their batch dimension) as a batch of one."""
+    if isinstance(example, torch.Tensor):
+        return example.unsqueeze(0)
+    if isinstance(example, tuple | list):
+        return type(example)(_unsqueeze(e) for e in example)
+    return {k: _unsqueeze(v) for k, v in example.items()}
+
+
+def _pad(batch: Any, size: int) -> Any:
+    """A batch grown to `size` examples with copies of its first (masked out later)."""
+    if isinstance(batch, torch.Tensor):
+        extra = size - batch.shape[0]
+        return torch.cat([batch, batch[:1].expand(extra, *batch.shape[1:])]) if extra else batch
+    if isinstance(batch, tuple | list):
+        return type(batch)(_pad(b, size) for b in batch)
+    return {k: _pad(v, size) for k, v in batch.items()}
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, tuple | list):
+        return type(batch)(_to(b, device) for b in batch)
+    return {k: _to(v, device) for k, v in batch.items()}
 
 
 def _stack(batches: list[Any], device: torch.device) -> Any:

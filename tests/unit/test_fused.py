@@ -21,8 +21,8 @@ SIZES = [3, 35, 17, 8, 8, 26, 11, 30]  # ragged, as Dirichlet-skewed clients are
 
 
 class Mlp(Task):
-    def __init__(self, dropout: float = 0.0, norm: bool = False) -> None:
-        self.dropout, self.norm = dropout, norm
+    def __init__(self, dropout: float = 0.0, norm: bool = False, summed: bool = False) -> None:
+        self.dropout, self.norm, self.summed = dropout, norm, summed
 
     def build_model(self) -> nn.Module:
         layers: list[nn.Module] = [nn.Linear(6, 16)]
@@ -37,7 +37,9 @@ class Mlp(Task):
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
         x, y = batch
         logits = model(x)
-        return nn.functional.cross_entropy(logits, y), {"accuracy": (logits.argmax(1) == y).float().mean()}
+        reduction = "sum" if self.summed else "mean"  # a sum is no mean over examples: no padding then
+        loss = nn.functional.cross_entropy(logits, y, reduction=reduction)
+        return loss, {"accuracy": (logits.argmax(1) == y).float().mean()}
 
 
 def clients(sizes: list[int] = SIZES) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -69,10 +71,13 @@ SETTINGS = {
 }
 
 
+@pytest.mark.parametrize("summed", [False, True], ids=["mean-loss-padded", "sum-loss-grouped-by-size"])
 @pytest.mark.parametrize("proximal", [0.0, 0.5], ids=["plain", "fedprox"])
 @pytest.mark.parametrize("name", sorted(SETTINGS))
-def test_fused_training_lands_within_tolerance_of_the_sequential_loop(name: str, proximal: float) -> None:
-    task, data = Mlp(), clients()
+def test_fused_training_lands_within_tolerance_of_the_sequential_loop(
+    name: str, proximal: float, summed: bool
+) -> None:
+    task, data = Mlp(summed=summed), clients()
     model = model_for(task)
     config = {"proximal_mu": proximal} if proximal else {}
     fused = train_fused(task, model, data, contexts(model, len(data), SETTINGS[name], config))
