@@ -15,6 +15,7 @@ import csv
 import io
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from fedmq.services.cli.summary import flat
@@ -128,3 +129,22 @@ def pick(job: JobHistory, which: Which) -> dict[str, Any]:
 
 def _so_far(job: JobHistory) -> str:
     return " so far: it is still running" if job.status == "running" else ""
+
+
+def to_tensorboard(job: JobHistory, folder: Path) -> int:
+    """Every round's metrics as TensorBoard scalars (tag `source/name`, step = round) under
+    `folder`/`job_id`; the number of scalars written. Needs the tensorboard package."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    written = 0
+    writer = SummaryWriter(log_dir=str(folder / (job.job_id or "job")))
+    try:
+        for record in job.records:
+            for source, values in (record.get("metrics") or {}).items():
+                for name, value in (values or {}).items():
+                    if isinstance(value, int | float) and not isinstance(value, bool):
+                        writer.add_scalar(f"{source}/{name}", float(value), int(record["round"]))
+                        written += 1
+    finally:
+        writer.close()
+    return written

@@ -100,6 +100,9 @@ def plot(
         help="a metric to plot, as source.name (repeat it) [default: all but transport.*]")] = None,
     csv_out: Annotated[Path | None, typer.Option("--csv", help="also write the rounds as CSV")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the history as JSON")] = None,
+    tensorboard: Annotated[Path | None, typer.Option(
+        help="also log every metric per round to TensorBoard in this folder (pip install 'fedmq\\[tracking]')",
+    )] = None,
     from_: Annotated[Path | None, typer.Option(
         "--from", help="read the job from JSON that fedmq wrote (run --json, status JOB --json, plot --json)",
     )] = None,
@@ -141,6 +144,14 @@ def plot(
         written.append((csv_out, lambda p: p.write_text(to_csv(job.records))))
     if json_out is not None:
         written.append((json_out, lambda p: p.write_text(json.dumps(job.as_json(), indent=2) + "\n")))
+    if tensorboard is not None:
+        from fedmq.services.cli.history import to_tensorboard
+
+        try:
+            import torch.utils.tensorboard  # noqa: F401 - needs the tensorboard package
+        except ImportError:
+            _fail("--tensorboard needs the tensorboard package: pip install 'fedmq[tracking]'", EXIT_USAGE)
+        written.append((tensorboard, lambda p: to_tensorboard(job, p)))
     for path, write in written:
         try:
             write(path)

@@ -148,3 +148,21 @@ def test_the_command_reads_a_local_runs_job_from_its_state_directory(tmp_path: P
     missing = runner.invoke(app, ["plot", "nope", "--state-dir", str(tmp_path / "state")])
     said = " ".join(missing.output.split())
     assert missing.exit_code == 2 and "holds no job nope (jobs there: tiny-00000001, tiny-00000002)" in said
+
+
+def test_plot_logs_every_metric_per_round_to_tensorboard_where_it_reads_back(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    source = tmp_path / "job.json"
+    source.write_text(json.dumps(JOB))
+    result = CliRunner().invoke(app, ["plot", "--from", str(source), "--out", str(tmp_path / "m.png"),
+                                      "--tensorboard", str(tmp_path / "tb")])
+    assert result.exit_code == 0, result.output
+    events = EventAccumulator(str(tmp_path / "tb" / "digits-1a2b3c4d"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert sorted(tags) == sorted(["server/loss", "server/accuracy", "train/loss", "transport/update_bytes",
+                                   "federated/accuracy"])
+    accuracy = [(e.step, round(e.value, 6)) for e in events.Scalars("server/accuracy")]
+    assert accuracy == [(0, 0.1), (1, 0.6), (2, 0.8), (3, 0.7)]
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
