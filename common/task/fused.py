@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fedmq.common.strategy.contract import PROXIMAL_MU
+from fedmq.common.strategy.contract import PROXIMAL_MU, SCAFFOLD
 from fedmq.common.task.batches import Source, batch_size_of, source
 from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
 from fedmq.common.task.loop import split_loss
@@ -48,7 +48,7 @@ ADAM_EPS = 1e-8
 
 @dataclass(frozen=True)
 class Fused:
-    """One client's outcome: its trained weights (detached, on the model's device) and its result."""
+    """One client's outcome: its trained weights (detached, on the contexts' device) and its result."""
 
     weights: dict[str, torch.Tensor]
     result: TrainResult
@@ -58,10 +58,12 @@ def can_fuse(model: nn.Module, ctx: TrainContext) -> str | None:
     """Why this client's training cannot be fused (None: it can), from what is known before data."""
     if ctx.train.max_steps is not None:
         return "train.max_steps is set"
-    if "scaffold" in ctx.config:
+    if SCAFFOLD in ctx.config:
         return "SCAFFOLD's controls are not fused"
     if ctx.train.optimizer not in ("sgd", "adam"):
         return f"optimizer {ctx.train.optimizer!r} is not fused"
+    if any(not p.requires_grad for p in model.parameters()):
+        return "the model has frozen parameters, which only the sequential loop leaves alone"
     if any(True for _ in model.buffers()):
         return "the model has buffers (BatchNorm statistics), kept per client only sequentially"
     return None
@@ -92,10 +94,18 @@ def train_fused(
     if not all(src.indexable for src in sources):
         return None
     device = ctxs[0].device
+    if any(ctx.device != device or ctx.global_weights is not ctxs[0].global_weights for ctx in ctxs):
+        return None
+    streams = [ctx.generator.get_state() for ctx in ctxs]  # a fallback draws the same batches again
+    mode = model.training
     try:
         return _Trainer(task, model, sources, ctxs, device).run()
     except _CannotFuse:
+        for ctx, state in zip(ctxs, streams, strict=True):
+            ctx.generator.set_state(state)
         return None
+    finally:
+        model.train(mode)
 
 
 class _CannotFuse(Exception):
@@ -139,7 +149,6 @@ class _Trainer:
         ]
         self.sums: list[dict[str, torch.Tensor]] = [{} for _ in ctxs]
         self.seen = [0] * self.count
-        self.metric_names: list[str] | None = None
         self.grad = torch.func.vmap(
             torch.func.grad_and_value(self._loss, has_aux=True), in_dims=(0, 0), randomness="error"
         )
@@ -156,7 +165,8 @@ class _Trainer:
         loss, metrics = split_loss(out)
         aux = {"loss": loss.detach()}
         for name, value in metrics.items():
-            tensor = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            tensor = (value.detach() if isinstance(value, torch.Tensor)
+                      else torch.tensor(float(value), device=loss.device))
             aux[name] = tensor.reshape(())
         return loss, aux
 
@@ -176,17 +186,19 @@ class _Trainer:
         return (losses * mask).sum() / count, means
 
     def _averages_examples(self, batch: Any) -> bool:
-        """Whether the loss of a batch is the mean of its examples' losses (a cross-entropy, a squared
-        error), so that padded batches with masks give the same gradients; else (BatchNorm-like or
-        pairwise losses) clients are grouped by exact batch size only."""
-        params = dict(self.rows)
-        params = {n: r[0] for n, r in params.items()}
-        with torch.no_grad():
-            whole, _ = self._loss(params, batch)
-            each, _ = self.per_example(params, batch)
-        if batch_size_of(batch) < 2:
-            return True
-        return bool(torch.allclose(whole, each.mean(), rtol=1e-5, atol=1e-6))
+        """Whether the loss of a batch, its gradient and every metric are the means of its examples'
+        (a cross-entropy, a squared error, an accuracy), so that padded batches with masks give the
+        same step; else (sums, weighted or pairwise losses) clients are grouped by batch size only."""
+        params = {n: r[0] for n, r in self.rows.items()}
+        whole_grad, (whole, whole_aux) = torch.func.grad_and_value(self._loss, has_aux=True)(params, batch)
+        mask = torch.ones(batch_size_of(batch), device=self.device)
+        each_grad, (each, each_aux) = torch.func.grad_and_value(self._masked_loss, has_aux=True)(
+            params, batch, mask)
+        pairs = [(whole, each)] + [(whole_grad[n], each_grad[n]) for n in whole_grad]
+        pairs += [(whole_aux[n], each_aux[n]) for n in whole_aux if n in each_aux]
+        return set(whole_aux) == set(each_aux) and all(
+            bool(torch.allclose(a, b, rtol=1e-4, atol=1e-6)) for a, b in pairs
+        )
 
     def run(self) -> list[Fused]:
         self.call.model.train()
@@ -201,14 +213,19 @@ class _Trainer:
             if not pending:
                 break
             step += 1
-            if self.masked is None:
-                first = next(iter(pending.values()))[0][1]
-                try:
-                    self.masked = self._averages_examples(_to(first, self.device))
-                except RuntimeError as err:
-                    raise _CannotFuse(str(err)) from err
+            if self.masked is None:  # decided on a batch of two or more examples
+                largest = max((b for group in pending.values() for _, b, _ in group), key=batch_size_of)
+                if batch_size_of(largest) >= 2:
+                    try:
+                        self.masked = self._averages_examples(_to(largest, self.device))
+                    except (RuntimeError, ValueError, IndexError, TypeError) as err:
+                        raise _CannotFuse(str(err)) from err
             if self.masked and len(pending) > 1:
-                self._step([item for group in pending.values() for item in group], step, padded=True)
+                shapes: dict[tuple[int, ...] | int, list[tuple[int, Any, bool]]] = {}
+                for group in pending.values():  # batches that differ in size only pad to each other
+                    shapes.setdefault(_signature(group[0][1], per_example=True), []).extend(group)
+                for group in shapes.values():
+                    self._step(group, step, padded=len({batch_size_of(b) for _, b, _ in group}) > 1)
             else:
                 for group in pending.values():
                     self._step(group, step)
@@ -233,7 +250,7 @@ class _Trainer:
             else:
                 batches = _stack([batch for _, batch, _ in group], self.device)
                 grads, (_, aux) = self.grad(params, batches)
-        except RuntimeError as err:  # randomness="error", or an op vmap has no batching rule for
+        except (RuntimeError, ValueError, IndexError, TypeError) as err:  # random numbers, no vmap rule
             raise _CannotFuse(str(err)) from err
         new = self._update(params, grads, index, whole, step)
         for n in self.names:
@@ -333,14 +350,18 @@ def _stream(src: Source, settings: TrainSettings, generator: torch.Generator) ->
             first = False
 
 
-def _signature(batch: Any) -> tuple[int, ...] | int:
-    """What must match for batches to stack: every tensor's shape (and so the batch size)."""
+def _signature(batch: Any, per_example: bool = False) -> tuple[int, ...] | int:
+    """What must match for batches to stack: every tensor's shape (and so the batch size), or with
+    `per_example` every tensor's shape past the batch dimension (what must match to pad)."""
     if isinstance(batch, torch.Tensor):
-        return (hash((tuple(batch.shape), batch.dtype)),)
+        shape = tuple(batch.shape)[1:] if per_example else tuple(batch.shape)
+        return (hash((shape, batch.dtype)),)
     if isinstance(batch, tuple | list):
-        return tuple(h for b in batch for h in _as_tuple(_signature(b)))
+        return tuple(h for b in batch for h in _as_tuple(_signature(b, per_example)))
     if isinstance(batch, Mapping):
-        return tuple(h for k in sorted(batch) for h in (hash(k), *_as_tuple(_signature(batch[k]))))
+        return tuple(
+            h for k in sorted(batch) for h in (hash(k), *_as_tuple(_signature(batch[k], per_example)))
+        )
     raise _CannotFuse(f"a batch of type {type(batch).__name__}")
 
 

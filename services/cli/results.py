@@ -101,7 +101,8 @@ def plot(
     csv_out: Annotated[Path | None, typer.Option("--csv", help="also write the rounds as CSV")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the history as JSON")] = None,
     tensorboard: Annotated[Path | None, typer.Option(
-        help="also log every metric per round to TensorBoard in this folder (pip install 'fedmq\\[tracking]')",
+        help="also log every metric per round to TensorBoard in this folder "
+        "(pip install 'fedmq\\[tracking]')",
     )] = None,
     from_: Annotated[Path | None, typer.Option(
         "--from", help="read the job from JSON that fedmq wrote (run --json, status JOB --json, plot --json)",

@@ -98,9 +98,26 @@ def test_fused_training_lands_within_tolerance_of_the_sequential_loop(
             assert fused[i].result.metrics[metric] == pytest.approx(value, abs=1e-5)
 
 
+@pytest.mark.parametrize("summed", [False, True], ids=["mean-loss", "sum-loss"])
+def test_a_first_client_of_one_example_does_not_decide_how_clients_are_batched(summed: bool) -> None:
+    # A batch of one is its own mean whatever the loss: the probe waits for a larger batch.
+    task, data = Mlp(summed=summed), clients([1, 9, 17, 4])
+    model = model_for(task)
+    fused = train_fused(task, model, data, contexts(model, len(data), SETTINGS["sgd"]))
+    assert fused is not None
+    start = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    for i, (ctx, batch) in enumerate(zip(contexts(model, len(data), SETTINGS["sgd"]), data, strict=True)):
+        one = model_for(task)
+        one.load_state_dict(start)
+        train_with_loss(task, one, batch, ctx)
+        gap = max(float((fused[i].weights[n] - p.detach()).abs().max()) for n, p in one.named_parameters())
+        assert gap < TOLERANCE, f"client {i}: fused is {gap:.2e} from sequential"
+
+
 def test_a_fused_run_is_bit_identical_with_itself_and_leaves_the_model_alone() -> None:
     task, data = Mlp(), clients()
     model = model_for(task)
+    model.eval()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     runs = [train_fused(task, model, data, contexts(model, len(data), SETTINGS["adam"])) for _ in range(2)]
     assert runs[0] is not None and runs[1] is not None
@@ -108,18 +125,25 @@ def test_a_fused_run_is_bit_identical_with_itself_and_leaves_the_model_alone() -
         assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
         assert a.result == b.result
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not model.training, "the model's mode is as it was"
 
 
-@pytest.mark.parametrize("why", ["dropout", "batchnorm", "dataloader", "max_steps", "scaffold"])
+@pytest.mark.parametrize("why", ["dropout", "batchnorm", "dataloader", "max_steps", "scaffold", "frozen"])
 def test_what_cannot_be_fused_answers_none_so_the_caller_trains_one_by_one(why: str) -> None:
     task = Mlp(dropout=0.5 if why == "dropout" else 0.0, norm=why == "batchnorm")
     model = model_for(task)
+    if why == "frozen":
+        next(model.parameters()).requires_grad_(False)
     data: list[Any] = clients()
     settings = TrainSettings(epochs=1, batch_size=8, max_steps=2 if why == "max_steps" else None)
     config = {"scaffold": True} if why == "scaffold" else {}
     if why == "dataloader":
         data = [torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*d), batch_size=8) for d in data]
-    assert train_fused(task, model, data, contexts(model, len(data), settings, config)) is None
+    ctxs = contexts(model, len(data), settings, config)
+    states = [ctx.generator.get_state() for ctx in ctxs]
+    assert train_fused(task, model, data, ctxs) is None
+    # A fallback draws the same batches: fusing gave up (dropout: at its first step) without a draw.
+    assert all(torch.equal(ctx.generator.get_state(), state) for ctx, state in zip(ctxs, states, strict=True))
 
 
 def test_the_group_shrinks_with_the_memory_budget() -> None:
