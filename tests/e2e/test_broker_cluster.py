@@ -25,7 +25,9 @@ from tests.e2e.cluster import Cluster, services
 from tests.e2e.round_gate import TASK, RoundGate
 from tests.rabbit_cluster import Node, rabbit_cluster
 
-pytestmark = pytest.mark.rabbitmq  # it runs RabbitMQ nodes of its own
+# It runs RabbitMQ nodes of its own: three Erlang VMs, the suite's costliest test, so it is a soak
+# test (`make test-soak`), out of `make test`, which must stay within CI's 20 minutes on 2 cores.
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.soak]
 
 LEARNERS = 2
 SERVICES = Counter({"scheduler": 1, "aggregator": 1, "learner": LEARNERS})  # connections by name
