@@ -40,8 +40,8 @@ def unavailable() -> str | None:
     info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=60)
     if info.returncode == 0:
         return None
-    if os.geteuid() == 0 and shutil.which("dockerd"):
-        return None  # up.sh starts dockerd
+    if os.geteuid() == 0 and (shutil.which("dockerd") or shutil.which("apt-get")):
+        return None  # up.sh installs docker.io from apt when missing, and starts dockerd
     said = (info.stderr.strip().splitlines() or ["?"])[-1]
     return f"no Docker engine: `docker info` says: {said}"
 
