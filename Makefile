@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/large_model.py
 	$(BIN)/python benchmarks/strategies.py
 	$(BIN)/python benchmarks/robust_memory.py
+	$(BIN)/python benchmarks/fused.py
 
 clean:
 	rm -rf $(VENV) .fedmq .pytest_cache .mypy_cache .hypothesis
