@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from fedmq.common.strategy.contract import PROXIMAL_MU, SCAFFOLD
-from fedmq.common.task.batches import Source, batch_size_of, source
+from fedmq.common.task.batches import Source, batch_size_of, source, to_device
 from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
-from fedmq.common.task.loop import split_loss
+from fedmq.common.task.loop import _Sums, split_loss
 
 if TYPE_CHECKING:
     from fedmq.common.task.contract import Task
@@ -147,7 +147,7 @@ class _Trainer:
         self.streams = [
             _stream(src, self.settings, ctx.generator) for src, ctx in zip(sources, ctxs, strict=True)
         ]
-        self.sums: list[dict[str, torch.Tensor]] = [{} for _ in ctxs]
+        self.sums = [_Sums(device) for _ in ctxs]
         self.seen = [0] * self.count
         self.grad = torch.func.vmap(
             torch.func.grad_and_value(self._loss, has_aux=True), in_dims=(0, 0), randomness="error"
@@ -217,7 +217,7 @@ class _Trainer:
                 largest = max((b for group in pending.values() for _, b, _ in group), key=batch_size_of)
                 if batch_size_of(largest) >= 2:
                     try:
-                        self.masked = self._averages_examples(_to(largest, self.device))
+                        self.masked = self._averages_examples(to_device(largest, self.device))
                     except (RuntimeError, ValueError, IndexError, TypeError) as err:
                         raise _CannotFuse(str(err)) from err
             if self.masked and len(pending) > 1:
@@ -260,10 +260,8 @@ class _Trainer:
                 self.rows[n].index_copy_(0, index, new[n])
         for row, ((i, _, new_epoch), size) in enumerate(zip(group, sizes, strict=True)):
             if new_epoch:  # the result reports the last epoch, as the sequential loop does
-                self.sums[i], self.seen[i] = {}, 0
-            for name, values in aux.items():
-                term = values[row].to(torch.float64) * size
-                self.sums[i][name] = self.sums[i][name] + term if name in self.sums[i] else term
+                self.sums[i], self.seen[i] = _Sums(self.device), 0
+            self.sums[i].add(aux["loss"][row], {n: v[row] for n, v in aux.items() if n != "loss"}, size)
             self.seen[i] += size
 
     def _update(
@@ -330,14 +328,7 @@ class _Trainer:
     def _outcome(self, i: int) -> Fused:
         weights = {n: self.rows[n][i].detach().clone() for n in self.names}
         seen = self.seen[i]
-        sums = self.sums[i]
-        if sums and seen:
-            names = list(sums)
-            values = torch.stack([sums[n] for n in names]).cpu().tolist()  # one host sync per client
-            metrics = {n: float(v) / seen for n, v in zip(names, values, strict=True)}
-        else:
-            metrics = {}
-        return Fused(weights, TrainResult(seen, metrics))
+        return Fused(weights, TrainResult(seen, self.sums[i].means(seen)))  # one host sync per client
 
 
 def _stream(src: Source, settings: TrainSettings, generator: torch.Generator) -> Iterator[tuple[Any, bool]]:
@@ -386,14 +377,6 @@ def _pad(batch: Any, size: int) -> Any:
     if isinstance(batch, tuple | list):
         return type(batch)(_pad(b, size) for b in batch)
     return {k: _pad(v, size) for k, v in batch.items()}
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, tuple | list):
-        return type(batch)(_to(b, device) for b in batch)
-    return {k: _to(v, device) for k, v in batch.items()}
 
 
 def _stack(batches: list[Any], device: torch.device) -> Any:
