@@ -325,6 +325,29 @@ class DdpExit(Message):
     tail: str = Field("", max_length=8000)
 
 
+class DdpReport(BaseModel):
+    """What rank 0's entry reported at a step (fedmq.ddp.report)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: NonNegativeInt
+    total: int | None = Field(None, gt=0)
+    metrics: dict[str, Annotated[float, Field(allow_inf_nan=False)]] = Field({}, max_length=64)
+
+
+class DdpProgress(Message):
+    """Learner → scheduler: what a rank printed (any rank) and reported (rank 0) since its last one."""
+
+    type: Literal["ddp_progress"] = "ddp_progress"
+    attempt: NonNegativeInt
+    rank: NonNegativeInt
+    learner: str = Field(max_length=200)
+    node: str = Field(max_length=200)
+    lines: list[Annotated[str, Field(max_length=1000)]] = Field([], max_length=200)
+    dropped: NonNegativeInt = 0  # lines left out before these: the rank printed faster than they went
+    reports: list[DdpReport] = Field([], max_length=200)
+
+
 class DdpModel(Message):
     """Rank 0's learner → aggregator: a checkpoint the entry saved, or its final model."""
 
@@ -347,7 +370,9 @@ class DdpStored(Message):
     model_path: str = ""
 
 
-EventKind = Literal["accepted", "round_started", "round_completed", "completed", "failed", "cancelled"]
+EventKind = Literal[
+    "accepted", "round_started", "round_completed", "progress", "completed", "failed", "cancelled"
+]
 
 
 class JobEvent(Message):
@@ -385,6 +410,7 @@ AnyMessage = Annotated[
     | DdpLaunch
     | DdpStop
     | DdpExit
+    | DdpProgress
     | DdpModel
     | DdpStored,
     Field(discriminator="type"),

@@ -70,6 +70,10 @@ class Metrics:
             ["fl_job", "source", "name"], registry=r,
         )
         self.current_round = Gauge("fedmq_job_round", "The round a job is in", ["fl_job"], registry=r)
+        self.ddp_step = Gauge(
+            "fedmq_ddp_step", "The step or epoch of a DDP job's latest report (fedmq.ddp.report)", ["fl_job"],
+            registry=r,
+        )
         self.round_retries = Counter(
             "fedmq_round_retries_total", "Rounds below quorum at their deadline, dispatched again", registry=r
         )

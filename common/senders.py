@@ -14,7 +14,7 @@ own messages there:
                 ddp_stored
     learner     client_update eval_report client_failure   FEDMQ_LEARNER_USERS
                 heartbeat model_get client_state_get
-                ddp_exit ddp_model
+                ddp_exit ddp_progress ddp_model
     cli         job_submit job_cancel status_request       FEDMQ_CLI_USERS
                 model_get
 
@@ -37,7 +37,7 @@ SENDERS: dict[str, frozenset[str]] = {
     **dict.fromkeys(("update_accepted", "round_closed", "job_failed", "ddp_stored"),
                     frozenset({"aggregator"})),
     **dict.fromkeys(("client_update", "eval_report", "client_failure", "heartbeat", "client_state_get",
-                     "ddp_exit", "ddp_model"), frozenset({"learner"})),
+                     "ddp_exit", "ddp_progress", "ddp_model"), frozenset({"learner"})),
     **dict.fromkeys(("job_submit", "job_cancel", "status_request"), frozenset({"cli"})),
     "model_get": frozenset({"learner", "cli"}),
 }

@@ -8,8 +8,9 @@ DistributedDataParallel. The same file runs under torchrun:
     fedmq run examples/ddp.yaml                              # two learners, one process each
     fedmq submit examples/ddp.yaml --watch                   # on a deployment's learners
 
-fedmq.ddp gives it the spec's options, a checkpoint to resume from after a restart, and
-where to save checkpoints and the final model (which fedmq then serves as the job's model).
+fedmq.ddp gives it the spec's options, a checkpoint to resume from after a restart, where to
+save checkpoints and the final model (which fedmq then serves as the job's model), and a way
+to report each epoch's loss (shown by `fedmq watch` and exported to Prometheus).
 `reference_weights` trains the same model in one process on each step's combined batch: the
 weights DDP must reach (within float error).
 """
@@ -76,7 +77,9 @@ def main() -> None:
             total += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=device)])
         dist.all_reduce(total)
         if rank == 0:
-            print(f"epoch {epoch + 1}/{opts['epochs']} loss {float(total[0] / total[1]):.4f}", flush=True)
+            mean_loss = float(total[0] / total[1])
+            print(f"epoch {epoch + 1}/{opts['epochs']} loss {mean_loss:.4f}", flush=True)  # streams to watch
+            fedmq.ddp.report(epoch + 1, {"loss": mean_loss}, total=opts["epochs"])  # watch, Prometheus
             fedmq.ddp.save_checkpoint(model.module.state_dict(), step=epoch + 1)
         time.sleep(opts["epoch_pause_s"])
     if rank == 0:

@@ -7,12 +7,16 @@ runs under `torchrun`. These helpers add what fedmq does with it:
     opts = fedmq.ddp.options()                 # the spec's ddp.options (a dict)
     resumed = fedmq.ddp.load_checkpoint()      # (tensors, step) after a restart, else None
     fedmq.ddp.save_checkpoint(state, step)     # rank 0, now and then: the restart point
+    fedmq.ddp.report(epoch, {"loss": 0.31}, total=epochs)  # rank 0: metrics per step or epoch
     fedmq.ddp.save_model(model.state_dict())   # rank 0, at the end: the job's model
 
 Under fedmq, rank 0's learner sends each checkpoint and the model to the aggregator, which
 keeps and serves them like any job's model (`fedmq model`); after a failure the group starts
-again from the last checkpoint. Under torchrun they are files in FEDMQ_DDP_DIR (default
-`ddp-out/`). Tensors only (safetensors): put a step counter or a learning rate in a tensor.
+again from the last checkpoint. Rank 0's reports show in `fedmq watch` (and `fedmq run`), in
+`fedmq status` and as Prometheus's fedmq_round_metric{source="train"}; every rank's output
+lines stream to `watch` as they come. Under torchrun they are files in FEDMQ_DDP_DIR (default
+`ddp-out/`; reports: `metrics.jsonl`). Tensors only (safetensors): put a step counter or a
+learning rate in a tensor.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 CHECKPOINT = "checkpoint.safetensors"
 MODEL = "model.safetensors"
+REPORTS = "metrics.jsonl"
 STEP_KEY = "fedmq.step"
 
 
@@ -61,6 +66,19 @@ def load_checkpoint() -> tuple[dict[str, Any], int] | None:
 def save_model(state: Mapping[str, Any]) -> Path:
     """Write the final model (rank 0): the job's model once every rank has exited 0."""
     return _save(out_dir() / MODEL, state, {})
+
+
+def report(step: int, metrics: Mapping[str, float], total: int | None = None) -> None:
+    """Record metrics at a step or epoch (rank 0's count: all-reduce what the ranks measured first).
+
+    `total` is how many steps there will be, for watch's progress bar. Values must be finite
+    numbers; names are metric names (a letter or `_`, then letters, digits, `_` and `.`).
+    """
+    line = {"step": int(step), "metrics": {str(k): float(v) for k, v in metrics.items()}}
+    if total is not None:
+        line["total"] = int(total)
+    with open(out_dir() / REPORTS, "a", encoding="utf-8") as f:  # one line per write: read whole
+        f.write(json.dumps(line) + "\n")
 
 
 def _save(path: Path, state: Mapping[str, Any], metadata: dict[str, str]) -> Path:

@@ -58,6 +58,10 @@ class Callback:
     def on_round_end(self, round: int, record: RoundRecord) -> None:
         """A round's record is complete: its metrics of every source (round 0: the initial model)."""
 
+    def on_progress(self, rank: int, lines: list[str], reports: list[dict[str, Any]]) -> None:
+        """A DDP job's rank printed `lines`; on rank 0, `reports` are what its entry reported
+        with fedmq.ddp.report: {"step", "metrics", and "total" when given}, oldest first."""
+
     def on_train_end(self, result: Result) -> None:
         """The job ended: completed, failed or cancelled (`result.status`)."""
 
@@ -215,6 +219,10 @@ class Runner:
                 hook.on_train_start(spec, job_id)
             elif event.kind == "round_started" and event.round is not None:
                 hook.on_round_start(event.round)
+            elif event.kind == "progress":
+                data = event.data
+                hook.on_progress(int(data.get("rank", 0)), list(data.get("lines", [])),
+                                 list(data.get("reports", [])))
         if event.kind == "round_completed" and event.round is not None:
             history[event.round] = dict(event.data)
             for hook in hooks:

@@ -143,7 +143,8 @@ def watch(
             final = {}
         if job["status"] == "running":
             with RoundProgress(err) as progress:
-                progress.start_job(job["name"], job["rounds"], history.values(), _objective(job))
+                progress.start_job(job["name"], job["rounds"], history.values(), _objective(job),
+                                   job.get("report"))
                 while final.get("status") not in TERMINAL:
                     try:
                         for event in follower.events(idle_timeout=WATCH_POLL_S):
@@ -157,7 +158,8 @@ def watch(
                         # ask the scheduler how things stand, as a watcher arriving late would.
                         job = remote.status("job", job_id).jobs[0]
                         history.update({h["round"]: h for h in job.get("history", [])})
-                        progress.start_job(job["name"], job["rounds"], history.values(), _objective(job))
+                        progress.start_job(job["name"], job["rounds"], history.values(), _objective(job),
+                                           job.get("report"))
                         if job["status"] != "running":
                             final = {k: job.get(k) for k in ("status", "reason", "model_path", "best",
                                                              "wall_seconds") if job.get(k) is not None}

@@ -30,6 +30,7 @@ class RoundProgress:
         )
         self.task = self.progress.add_task("rounds", total=None, metric="", value="")
         self.objective: str | None = None
+        self.enabled = enabled  # off (--verbose): the services' logs say it all, lines included
 
     def __enter__(self) -> RoundProgress:
         self.progress.start()
@@ -39,18 +40,32 @@ class RoundProgress:
         self.progress.stop()
 
     def start_job(
-        self, name: str, rounds: int, done: Iterable[dict[str, Any]], objective: str | None = None
+        self, name: str, rounds: int, done: Iterable[dict[str, Any]], objective: str | None = None,
+        report: dict[str, Any] | None = None,
     ) -> None:
-        """Begin from what a job has already done (watching a job that is under way)."""
+        """Begin from what a job has already done (watching a job that is under way); `report`:
+        a running DDP job's latest (status's `report`)."""
         self.objective = objective
         self.progress.update(self.task, total=rounds, description=name)
         for record in done:
             self._show(record["round"], record)
+        if report:
+            self._show_report(report)
 
     def _show(self, server_round: int, data: dict[str, Any]) -> None:
+        if data.get("reports"):  # a DDP job's one record: its steps are the progress
+            self._show_report(data["reports"][-1])
+            return
         shown = headline(data, self.objective)
         metric, value = (shown[0], f"{shown[1]:.4f}") if shown else ("", "")
         self.progress.update(self.task, completed=server_round, metric=metric, value=value)
+
+    def _show_report(self, report: dict[str, Any]) -> None:
+        shown = headline({"metrics": {"train": report.get("metrics", {})}}, self.objective)
+        metric, value = (shown[0], f"{shown[1]:.4f}") if shown else ("", "")
+        total = report.get("total")
+        self.progress.update(self.task, completed=report["step"], metric=metric, value=value,
+                             **({"total": total} if total else {}))
 
     def update(self, event: JobEvent) -> None:
         if event.kind == "accepted":
@@ -58,6 +73,19 @@ class RoundProgress:
             self.progress.update(self.task, total=event.rounds, description=event.data.get("name", "rounds"))
         elif event.kind == "round_completed" and event.round is not None:
             self._show(event.round, event.data)
+        elif event.kind == "progress":
+            self._show_progress(event.data)
+
+    def _show_progress(self, data: dict[str, Any]) -> None:
+        """A DDP rank's output, each line above the bar, and rank 0's latest report on the bar."""
+        rank = data.get("rank", "?")
+        if self.enabled and data.get("dropped"):
+            self.progress.console.print(f"[dim]rank {rank}[/] [yellow]({data['dropped']} lines dropped)[/]")
+        for line in data.get("lines", []) if self.enabled else []:  # user text: brackets are not markup
+            self.progress.console.print(f"[dim]rank {rank}[/] {escape(line)}", highlight=False,
+                                        soft_wrap=True)
+        if data.get("reports"):
+            self._show_report(data["reports"][-1])
 
 
 def print_summary(console: Console, result: dict[str, Any]) -> None:

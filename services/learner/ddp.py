@@ -2,7 +2,8 @@
 
     DdpLaunch ─▶ fetch the checkpoint to resume from (if any) ─▶ child: python -m ...ddp_child
         │          with MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK, NODE_RANK set
-        ├─ its output ─▶ this learner's log (the last lines go with its exit)
+        ├─ its output, and rank 0's reports (fedmq.ddp.report) ─▶ DdpProgress ─▶ scheduler ─▶ watch
+        │    every POLL_S (and this learner's log; the last lines go with its exit too)
         ├─ rank 0: each checkpoint the entry saves (fedmq.ddp) ─▶ DdpModel ─▶ aggregator
         └─ exit ─▶ rank 0 and 0: the final model ─▶ aggregator; then DdpExit(code) ─▶ scheduler
     DdpStop ─▶ the child is terminated (SIGTERM, then SIGKILL)
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pydantic
 import structlog
 import torch
 
@@ -30,14 +32,17 @@ from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
 from fedmq.common.checkpoint import load_state, save_state
 from fedmq.common.jobspec import parse_job
-from fedmq.common.messages import DdpExit, DdpLaunch, DdpModel, DdpStop, to_wire
+from fedmq.common.messages import DdpExit, DdpLaunch, DdpModel, DdpProgress, DdpReport, DdpStop, to_wire
 from fedmq.common.statefiles import JOB_ID
+from fedmq.ddp import REPORTS
 
 log = structlog.get_logger("fedmq.learner")
 
-CHECKPOINT_POLL_S = 0.5
+POLL_S = 0.5  # how often a rank's new output, reports and checkpoint are sent
 STOP_GRACE_S = 5.0
 TAIL_LINES = 40
+PENDING_LINES = 2000  # output lines waiting to be sent; more are dropped (and counted)
+PER_MESSAGE = 200  # lines, or reports, in one DdpProgress
 
 Fetch = Callable[[str, str], tuple[dict[str, torch.Tensor], int]]
 
@@ -147,22 +152,25 @@ class DdpRunner:
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             )
         log.info("ddp_rank_started", pid=child.pid, world_size=msg.world_size, master=msg.master_addr)
-        reader = threading.Thread(target=_read_output, args=(child, tail), daemon=True)
+        progress = _Progress(folder / REPORTS if msg.rank == 0 else None)
+        reader = threading.Thread(target=_read_output, args=(child, tail, progress), daemon=True)
         reader.start()
         seen = 0.0
         try:
             while child.poll() is None:
-                if msg.rank == 0:
-                    try:
+                try:
+                    if msg.rank == 0:
                         seen = self._send_checkpoint(msg, folder, seen)
-                    except Exception as exc:  # the broker, or a half-written file: tried again next poll
-                        log.warning("ddp_checkpoint_send_failed", error=str(exc)[:300])
-                time.sleep(CHECKPOINT_POLL_S)
+                    self._send_progress(msg, progress)
+                except Exception as exc:  # the broker, or a half-written file: tried again next poll
+                    log.warning("ddp_progress_send_failed", error=str(exc)[:300])
+                time.sleep(POLL_S)
         finally:
             if child.poll() is None:  # this runner is failing: its child must not run on unwatched
                 with self._lock:
                     self._terminate()
         reader.join(5)
+        self._send_progress(msg, progress)  # all of it, before the exit that ends the group
         code = child.returncode
         if msg.rank == 0 and code == 0:
             self._send_checkpoint(msg, folder, seen)
@@ -187,6 +195,15 @@ class DdpRunner:
         self._send(msg, "checkpoint", weights, step)
         return mtime
 
+    def _send_progress(self, msg: DdpLaunch, progress: _Progress) -> None:
+        while True:
+            lines, dropped, reports = progress.take(PER_MESSAGE)
+            if not (lines or dropped or reports):
+                return
+            update = DdpProgress(job_id=msg.job_id, attempt=msg.attempt, rank=msg.rank, learner=self.name,
+                                 node=self.node, lines=lines, dropped=dropped, reports=reports)
+            self.bus.publish(topology.SCHEDULER, to_wire(update))
+
     def _send(self, msg: DdpLaunch, kind: str, weights: dict[str, torch.Tensor], step: int) -> None:
         model = DdpModel(job_id=msg.job_id, attempt=msg.attempt, kind=kind, step=step,
                          spec=msg.spec, weights=weights)
@@ -194,9 +211,56 @@ class DdpRunner:
         log.info("ddp_model_sent", kind=kind, step=step)
 
 
-def _read_output(child: subprocess.Popen[bytes], tail: collections.deque[str]) -> None:
+class _Progress:
+    """A rank's output lines not yet sent (at most PENDING_LINES) and its report file's unread part."""
+
+    def __init__(self, reports: Path | None) -> None:
+        self._lock = threading.Lock()
+        self._lines: collections.deque[str] = collections.deque()
+        self._dropped = 0
+        self._reports, self._offset = reports, 0
+        self._unread: list[DdpReport] = []
+
+    def add(self, line: str) -> None:
+        with self._lock:
+            if len(self._lines) >= PENDING_LINES:
+                self._lines.popleft()
+                self._dropped += 1
+            self._lines.append(line[:1000])
+
+    def take(self, most: int) -> tuple[list[str], int, list[DdpReport]]:
+        """Up to `most` lines (with how many were dropped before them) and reports, oldest first."""
+        self._read_reports()
+        with self._lock:
+            lines = [self._lines.popleft() for _ in range(min(most, len(self._lines)))]
+            dropped, self._dropped = self._dropped, 0
+        reports, self._unread = self._unread[:most], self._unread[most:]
+        return lines, dropped, reports
+
+    def _read_reports(self) -> None:
+        """The whole lines written since the last read (fedmq.ddp.report appends one per call)."""
+        if self._reports is None:
+            return
+        try:
+            with open(self._reports, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read(1 << 20)
+        except FileNotFoundError:
+            return
+        whole = chunk[: chunk.rfind(b"\n") + 1]
+        self._offset += len(whole)
+        for raw in whole.splitlines():
+            try:
+                self._unread.append(DdpReport.model_validate_json(raw))
+            except pydantic.ValidationError as exc:
+                why = exc.errors()[0]
+                self.add(f"fedmq: a report was left out ({why['msg']} at {why['loc']}): {raw[:200]!r}")
+
+
+def _read_output(child: subprocess.Popen[bytes], tail: collections.deque[str], progress: _Progress) -> None:
     assert child.stdout is not None
     for raw in child.stdout:
         line = raw.decode(errors="replace").rstrip()
         tail.append(line)
+        progress.add(line)
         log.info("ddp_output", line=line[:1000])

@@ -5,6 +5,8 @@
        │        DdpExit(code ≠ 0), or a member's learner lost ─▶ DdpStop to the rest
        └──────── restarts left: attempt + 1, from the last checkpoint ◀──┘   none left: failed
     DdpStored(checkpoint) ─▶ the restart point    every rank exited 0 + DdpStored(final) ─▶ completed
+    DdpProgress ─▶ event `progress` (watch shows the lines and rank 0's reports), the job's row
+                   (its latest report; every report in the final record), Prometheus
 
 The group is chosen among alive learners in no group and not busy (on `ddp.nodes` if named)
 in seed 003's order, so the ranks are that order's: the master node first, the other nodes by
@@ -22,17 +24,20 @@ import structlog
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
-from fedmq.common.messages import DdpExit, DdpLaunch, DdpStop, DdpStored, to_wire
+from fedmq.common.messages import DdpExit, DdpLaunch, DdpProgress, DdpStop, DdpStored, to_wire
+from fedmq.common.metrics import Metrics
 from fedmq.services.scheduler.jobs import COMPLETED, FAILED, RUNNING, SchedJob
 from fedmq.services.scheduler.registry import LearnerInfo, Registry, assign_ranks
 
 log = structlog.get_logger("fedmq.scheduler")
 
+KEPT_REPORTS = 10_000  # of one attempt, in the job's row; older ones are dropped first
+
 
 def new_group(job: SchedJob) -> dict[str, Any]:
     assert job.spec.ddp is not None
     return {"attempt": 0, "members": {}, "exits": {}, "restarts_left": job.spec.ddp.max_restarts,
-            "checkpoint": "", "step": 0, "final": None, "started": 0.0}
+            "checkpoint": "", "step": 0, "final": None, "started": 0.0, "reports": []}
 
 
 class DdpLoop:
@@ -40,6 +45,7 @@ class DdpLoop:
 
     bus: Bus
     jobs: dict[str, SchedJob]
+    metrics: Metrics
     registry: Registry
 
     def _finish(self, job: SchedJob, status: str, reason: str, **data: Any) -> None:
@@ -142,6 +148,27 @@ class DdpLoop:
             return
         self._maybe_done(job)
 
+    def ddp_progress(self, job: SchedJob, msg: DdpProgress) -> None:
+        """A rank's output lines and rank 0's reports: to the job's watchers, its row, Prometheus."""
+        group = job.group
+        current = group is not None and msg.attempt == group["attempt"]
+        member = group["members"].get(msg.learner) if group is not None and current else None
+        if group is None or member is None or member["rank"] != msg.rank:
+            log.info("ddp_progress_stale", learner=msg.learner, attempt=msg.attempt, rank=msg.rank)
+            return
+        reports = [r.model_dump(exclude_none=True) for r in msg.reports] if msg.rank == 0 else []
+        if reports:
+            kept = group.setdefault("reports", [])
+            kept.extend(reports)
+            del kept[:-KEPT_REPORTS]
+            last = reports[-1]
+            self.metrics.ddp_step.labels(job.job_id).set(last["step"])
+            self.metrics.round_metrics(job.job_id, {"train": last["metrics"]})
+        self._event(job.job_id, "progress", round=job.round, data={
+            "rank": msg.rank, "node": msg.node, "attempt": msg.attempt, "lines": msg.lines,
+            "dropped": msg.dropped, "reports": reports,
+        })
+
     def ddp_stored(self, job: SchedJob, msg: DdpStored) -> None:
         group = job.group
         if group is None or msg.attempt != group["attempt"]:
@@ -159,8 +186,10 @@ class DdpLoop:
         assert group is not None and job.spec.ddp is not None
         if len(group["exits"]) < job.spec.ddp.world_size or group["final"] is None:
             return
+        reports = group.get("reports", [])
         record = {
-            "round": 1, "metrics": {}, "clients": job.spec.ddp.world_size, "failed": 0, "num_examples": 0,
+            "round": 1, "metrics": {"train": reports[-1]["metrics"]} if reports else {},
+            "reports": reports, "clients": job.spec.ddp.world_size, "failed": 0, "num_examples": 0,
             "seconds": time.time() - group["started"], "model_digest": group["final"]["digest"],
             "model_path": group["final"]["model_path"], "sync": {},
             "attempts": group["attempt"] + 1,
@@ -189,7 +218,7 @@ class DdpLoop:
                     resume=group["checkpoint"][:12])
         group["restarts_left"] -= 1
         group["attempt"] += 1
-        group["members"], group["exits"], group["final"] = {}, {}, None
+        group["members"], group["exits"], group["final"], group["reports"] = {}, {}, None, []
         self._launch(job)
 
 

@@ -33,6 +33,7 @@ from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientFailure,
     DdpExit,
+    DdpProgress,
     DdpStored,
     EvalReport,
     Heartbeat,
@@ -220,6 +221,8 @@ class SchedulerService(EvaluationLoop, DdpLoop):
                     self._advance(job)
             case DdpExit():
                 self.ddp_exit(job, msg)
+            case DdpProgress():
+                self.ddp_progress(job, msg)
             case DdpStored():
                 self.ddp_stored(job, msg)
             case JobFailed():

@@ -49,6 +49,10 @@ def job_summary(job: SchedJob, now: float, history: bool) -> dict[str, Any]:
         "model_path": last.get("model_path"),
         "wall_seconds": None if job.wall_seconds is None else round(job.wall_seconds, 3),
     }
+    if job.group is not None and job.group.get("reports"):  # a DDP job: rank 0's latest report
+        summary["report"] = job.group["reports"][-1]
+        if not last:
+            summary["metrics"] = {"train": summary["report"]["metrics"]}
     if job.state is not None and job.status == RUNNING:
         summary["reported"] = len(job.state.reported)
         summary["sampled"] = len(job.state.clients)

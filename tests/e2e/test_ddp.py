@@ -23,6 +23,7 @@ from examples.ddp import reference_weights
 from fedmq.common.checkpoint import load_state
 from tests.conftest import REPO
 from tests.e2e.cluster import Cluster, cluster
+from tests.e2e.test_observability import scrape
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -58,12 +59,25 @@ def _watch(c: Cluster, job_id: str) -> dict:
 
 
 def test_two_gloo_ranks_match_one_process_and_torchrun(tmp_path: Path) -> None:
+    metrics_port = _free_port()
     with cluster(tmp_path, learners=2, FEDMQ_NODE="127.0.0.1") as c:
+        c.stop("scheduler")
+        c.start("scheduler", FEDMQ_METRICS_PORT=str(metrics_port))
         c.wait_learners(2)
         job_id = c.fedmq("submit", str(_spec(tmp_path, "ddp-parity", _free_port()))).stdout.strip()
         result = _watch(c, job_id)
         logs = c.log("scheduler")
+        samples = scrape(metrics_port)
     assert result["rc"] == 0 and result["status"] == "completed", str(result) + logs[-3000:]
+    # The entry's output streamed to watch, its reports on the bar, in the record and in Prometheus.
+    reports = result["history"][-1]["reports"]
+    assert [r["step"] for r in reports] == [1, 2, 3]
+    assert f"rank 0 epoch 3/3 loss {reports[-1]['metrics']['loss']:.4f}" in result["stderr"]
+    assert ("train.loss", reports[-1]["metrics"]["loss"]) in [
+        (f"{labels['source']}.{labels['name']}", value) for labels, value in samples["fedmq_round_metric"]
+        if labels["fl_job"] == job_id
+    ]
+    assert samples["fedmq_ddp_step"] == [({"fl_job": job_id}, 3.0)]
     launched = [json.loads(line) for line in logs.splitlines() if '"ddp_launched"' in line]
     assert sorted(launched[0]["members"].values()) == [0, 1]  # seed 003's ranks, one per learner
     fedmq_weights = load_state(result["model_path"])[0]

@@ -27,6 +27,8 @@ from fedmq.common.messages import (
     DdpExit,
     DdpLaunch,
     DdpModel,
+    DdpProgress,
+    DdpReport,
     DdpStop,
     DdpStored,
     EvalReport,
@@ -134,6 +136,10 @@ SAMPLES: dict[str, Message] = {
     ),
     "ddp_stop": DdpStop(job_id="j1", attempt=1),
     "ddp_exit": DdpExit(job_id="j1", attempt=1, rank=1, learner="gn7/0", node="gn7", code=-9, tail="a\nb"),
+    "ddp_progress": DdpProgress(
+        job_id="j1", attempt=1, rank=0, learner="gn6/0", node="gn6", lines=["epoch 1/3 loss 2.27"],
+        dropped=2, reports=[DdpReport(step=1, total=3, metrics={"loss": 2.27})],
+    ),
     "ddp_model": DdpModel(
         job_id="j1", attempt=1, kind="checkpoint", step=3, spec=DDP_SPEC, weights=weights()
     ),
