@@ -66,6 +66,8 @@ from fedmq.services.aggregator.validation import MAX_EXAMPLES, check_update
 
 log = structlog.get_logger("fedmq.aggregator")
 
+DDP_CHECKPOINTS = "ddp_checkpoints"  # a DDP job's stored checkpoints: {step or "final": key}
+
 
 class AggregatorService:
     def __init__(
@@ -184,15 +186,31 @@ class AggregatorService:
         store = JobStore(self.root, msg.job_id)
         if store.load_spec() is None:
             store.save_spec(json.dumps(msg.spec, sort_keys=True))
-        digest = weights_digest(store.write_checkpoint(msg.step, weights, {}))
+        key = store.write_checkpoint(msg.step, weights, {})
+        digest = weights_digest(key)
         model_path = ""
         if msg.kind == "final":
             path = store.root / "model.safetensors"
             save_model(path, weights, json.dumps(msg.spec, sort_keys=True), job_id=msg.job_id, round=1)
             model_path = str(path)
+        self._prune_ddp(store, msg, key)
         log.info("ddp_model_stored", kind=msg.kind, step=msg.step, digest=digest[:12])
         self._publish(DdpStored(job_id=msg.job_id, attempt=msg.attempt, kind=msg.kind, step=msg.step,
                                 digest=digest, model_path=model_path))
+
+    def _prune_ddp(self, store: JobStore, msg: DdpModel, key: str) -> None:
+        """With FEDMQ_KEEP_CHECKPOINTS=N, a DDP job keeps its newest max(N, 2) checkpoints by step
+        (a restart resumes from the newest the scheduler has heard of) and its final model."""
+        kept = store.load_json(DDP_CHECKPOINTS) or {}
+        kept[msg.kind if msg.kind == "final" else str(msg.step)] = key
+        steps = sorted((s for s in kept if s != "final"), key=int)
+        keep = self.settings.keep_checkpoints
+        if keep:
+            final = {"final": kept["final"]} if "final" in kept else {}
+            kept = {s: kept[s] for s in steps[-max(keep, 2):]} | final
+        store.save_json(DDP_CHECKPOINTS, kept)
+        if keep and (gone := store.prune_checkpoints(set(kept.values()))):
+            log.info("checkpoints_pruned", count=len(gone), kept=len(kept))
 
     # -- handlers -------------------------------------------------------------
 
