@@ -31,7 +31,8 @@ def store(aggregator: AggregatorService, kind: str, step: int) -> str:
 def test_the_newest_checkpoints_and_the_final_model_are_kept(
     tmp_path: Path, keep: int, kept_steps: list[int]
 ) -> None:
-    aggregator = AggregatorService(Settings(state_dir=tmp_path, keep_checkpoints=keep), cast(Bus, Recording()))
+    settings = Settings(state_dir=tmp_path, keep_checkpoints=keep)
+    aggregator = AggregatorService(settings, cast(Bus, Recording()))
     digests = {step: store(aggregator, "checkpoint", step) for step in range(1, 6)}
     final = store(aggregator, "final", 0)
     store(aggregator, "checkpoint", 5)  # redelivered after the final: it keeps the final's
