@@ -13,8 +13,11 @@
 
 Fused and sequential training agree within float tolerance, not bit for bit: batched matrix
 products, masked means and the optimizer's updates reduce in another order (tests/unit/test_fused.py
-bounds the difference at 1e-5). A fused run is bit-reproducible with itself for the same group of
-clients; grouping clients differently may change the last bits.
+bounds the difference at 1e-5). A client's fused arithmetic does not depend on which clients share
+its group: every padded batch has the job's batch size, every other batch its own shape, and a
+batched product computes each client's slice alone. So on CPU a fused run is bit-identical however
+its clients are grouped (alone, or with others on other learners; the tests check it). On a GPU
+the batched kernels cuBLAS picks may depend on the group's size: the last bits may differ there.
 
 `train_fused` answers None when it cannot fuse, and the caller trains one client at a time as
 before: data that is not indexable (a DataLoader), a model with buffers (BatchNorm statistics),
@@ -213,27 +216,28 @@ class _Trainer:
             if not pending:
                 break
             step += 1
-            if self.masked is None:  # decided on a batch of two or more examples
+            if self.masked is None:  # decided on the first step's largest batch, of two or more
                 largest = max((b for group in pending.values() for _, b, _ in group), key=batch_size_of)
-                if batch_size_of(largest) >= 2:
-                    try:
-                        self.masked = self._averages_examples(to_device(largest, self.device))
-                    except (RuntimeError, ValueError, IndexError, TypeError) as err:
-                        raise _CannotFuse(str(err)) from err
-            if self.masked and len(pending) > 1:
+                largest = _pad(largest, max(2, batch_size_of(largest)))  # one example: two copies
+                try:
+                    self.masked = self._averages_examples(to_device(largest, self.device))
+                except (RuntimeError, ValueError, IndexError, TypeError) as err:
+                    raise _CannotFuse(str(err)) from err
+            if self.masked:
                 shapes: dict[tuple[int, ...] | int, list[tuple[int, Any, bool]]] = {}
                 for group in pending.values():  # batches that differ in size only pad to each other
                     shapes.setdefault(_signature(group[0][1], per_example=True), []).extend(group)
                 for group in shapes.values():
-                    self._step(group, step, padded=len({batch_size_of(b) for _, b, _ in group}) > 1)
+                    self._step(group, step, padded=True)
             else:
                 for group in pending.values():
                     self._step(group, step)
         return [self._outcome(i) for i in range(self.count)]
 
     def _step(self, group: list[tuple[int, Any, bool]], step: int, padded: bool = False) -> None:
-        """One optimizer step for `group`; `padded`: its batches differ in size, so each is padded
-        to the largest with copies of its first example, masked out of the loss."""
+        """One optimizer step for `group`; `padded`: each batch is padded to the job's batch size
+        with copies of its first example, masked out of the loss. Always that size, whichever
+        clients share the step: a client's arithmetic is then the same in any group (on CPU)."""
         group.sort(key=lambda item: item[0])
         index = torch.tensor([i for i, _, _ in group], device=self.device)
         whole = len(group) == self.count
@@ -241,7 +245,7 @@ class _Trainer:
         sizes = [batch_size_of(batch) for _, batch, _ in group]
         try:
             if padded:
-                longest = max(sizes)
+                longest = max(self.settings.batch_size, *sizes)
                 batches = _stack([_pad(batch, longest) for _, batch, _ in group], self.device)
                 mask = torch.stack([
                     (torch.arange(longest) < size).to(torch.float32) for size in sizes

@@ -153,3 +153,27 @@ def test_the_group_shrinks_with_the_memory_budget() -> None:
     assert group_size(model, adam, budget_bytes=weights * 4 * 10) == 10  # weights, grads, m and v
     assert group_size(model, TrainSettings(), budget_bytes=weights * 2 * 10) == 10
     assert group_size(model, adam, budget_bytes=weights) == 1  # too small for two: one at a time
+
+
+@pytest.mark.parametrize("summed", [False, True], ids=["mean-loss-padded", "sum-loss-grouped-by-size"])
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_a_clients_fused_result_is_bit_identical_in_any_group(name: str, summed: bool) -> None:
+    """Alone, with all, in another order or another split (as learners share a round's tasks)."""
+    task, data = Mlp(summed=summed), clients([3, 35, 17, 8, 8, 26, 11, 30, 64, 1])
+    model = model_for(task)
+
+    def grouped(groups: list[list[int]]) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, float]]]:
+        ctxs = contexts(model, len(data), SETTINGS[name], {"proximal_mu": 0.3})
+        out = {}
+        for group in groups:
+            fused = train_fused(task, model, [data[i] for i in group], [ctxs[i] for i in group])
+            assert fused is not None
+            out.update({i: (f.weights, f.result.metrics) for i, f in zip(group, fused, strict=True)})
+        return out
+
+    together = grouped([list(range(10))])
+    for groups in ([[i] for i in range(10)], [[0, 4, 7], [1, 2], [3, 5, 6, 8], [9]], [list(range(9, -1, -1))]):
+        other = grouped(groups)
+        for i, (weights, metrics) in together.items():
+            assert metrics == other[i][1], (i, groups)
+            assert all(torch.equal(weights[n], other[i][0][n]) for n in weights), (i, groups)
