@@ -119,6 +119,14 @@ class Settings(BaseSettings):
     data_cache_clients: int = Field(
         64, ge=1, description="clients whose data a learner keeps loaded at once (least recently used goes)"
     )
+    fuse_clients: int = Field(
+        1, ge=1, description="tasks a learner takes at once (its prefetch) to train together, for jobs with "
+        "train.fuse; 1: one at a time. `fedmq run` of a fused job: its share of a round's clients",
+    )
+    fuse_memory_bytes: int = Field(
+        0, ge=0, description="memory one fused group may use (weights, gradients, optimizer state per "
+        "client); 0: a quarter of the device's free memory (the host's available memory on CPU)",
+    )
     allowed_code: str = Field(
         "",
         description="module prefixes, comma-separated, a job spec may name code (Task, strategy) from "

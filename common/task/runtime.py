@@ -39,7 +39,7 @@ from fedmq.common.task.contract import (
 )
 from fedmq.common.task.loop import train_with_loss
 from fedmq.common.task.metrics import check_metrics, check_rules
-from fedmq.common.usercode import user_code
+from fedmq.common.usercode import UserCodeError, user_code
 
 if TYPE_CHECKING:
     from fedmq.common.allowlist import AllowList
@@ -126,14 +126,52 @@ class TaskRuntime:
                 raise TypeError(f"num_examples must be a non-negative int, got {result.num_examples!r}")
             if _shapes(model) != before:
                 raise TypeError("the model's tensors changed names, shapes or dtypes during training")
-            bad = _non_finite(model)
-            if bad:
-                raise FloatingPointError(
-                    f"training left NaN or infinite values in {', '.join(bad[:5])}: the model diverged "
-                    "(a lower learning rate, gradient clipping or a check of the data may help)"
-                )
+            if bad := _non_finite(model.state_dict()):
+                raise _diverged(bad)
             extras = check_tensor_map(result.extras, "TrainResult.extras")
         return TrainResult(result.num_examples, metrics, {k: v.detach().cpu() for k, v in extras.items()})
+
+    def train_group(
+        self, model: nn.Module, datas: list[ClientData], ctxs: list[TrainContext]
+    ) -> list[tuple[dict[str, torch.Tensor], TrainResult] | UserCodeError] | None:
+        """Train several clients from `model`'s weights together (fused.py); None: train them one
+        at a time with `train` (a Task with its own `train`, a model or loss fusion cannot take,
+        or an error in the loss, which the sequential call then names for its client).
+
+        Each client's weights (on the CPU, in state_dict order) and checked result, or the
+        UserCodeError that fails that client alone (its training diverged)."""
+        from fedmq.common.task.fused import train_fused
+
+        if has_train(self.task) or not has_loss(self.task):
+            return None
+        streams = [ctx.generator.get_state() for ctx in ctxs]
+        first = ctxs[0]
+        try:
+            with (
+                torch.random.fork_rng(devices=_cuda(first.device)),
+                user_code("loss", client=first.client, round=first.round),
+            ):
+                torch.manual_seed(derive_seed(self.spec.seed, "torch", first.round, first.client))
+                fused = train_fused(self.task, model, [data.train for data in datas], ctxs)
+        except UserCodeError:
+            fused = None
+        if fused is None:
+            for ctx, state in zip(ctxs, streams, strict=True):
+                ctx.generator.set_state(state)
+            return None
+        names = list(model.state_dict())
+        out: list[tuple[dict[str, torch.Tensor], TrainResult] | UserCodeError] = []
+        for ctx, one in zip(ctxs, fused, strict=True):
+            weights = {n: one.weights[n].to("cpu") for n in names}
+            try:
+                with user_code("loss", client=ctx.client, round=ctx.round):
+                    metrics = check_metrics(one.result.metrics, "training metrics")
+                    if bad := _non_finite(weights):
+                        raise _diverged(bad)
+                out.append((weights, TrainResult(one.result.num_examples, metrics)))
+            except UserCodeError as exc:
+                out.append(exc)
+        return out
 
     def evaluate(self, model: nn.Module, data: Any, ctx: EvalContext) -> EvalResult:
         """Metrics of `model` on `data`, checked; the example count is len(data) unless given."""
@@ -162,13 +200,20 @@ def _shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
 
-def _non_finite(model: nn.Module) -> list[str]:
-    """Names of the model's floating-point tensors holding NaN or infinity (one host sync)."""
-    floats = [(k, v) for k, v in model.state_dict().items() if v.is_floating_point() and v.numel()]
+def _non_finite(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of a model's floating-point tensors holding NaN or infinity (one host sync)."""
+    floats = [(k, v) for k, v in state.items() if v.is_floating_point() and v.numel()]
     if not floats:
         return []
     finite = torch.stack([torch.isfinite(v).all() for _, v in floats]).cpu().tolist()
     return [name for (name, _), ok in zip(floats, finite, strict=True) if not ok]
+
+
+def _diverged(names: list[str]) -> FloatingPointError:
+    return FloatingPointError(
+        f"training left NaN or infinite values in {', '.join(names[:5])}: the model diverged "
+        "(a lower learning rate, gradient clipping or a check of the data may help)"
+    )
 
 
 def _cuda(device: torch.device) -> list[int]:

@@ -168,6 +168,9 @@ def run_job(
     rounds: dict[int, dict[str, Any]] = {}
     final: dict[str, Any] = {"status": "unknown"}
     started = time.perf_counter()
+    if spec.train.fuse and "fuse_clients" not in settings.model_fields_set:
+        # One process: each learner takes its share of a round's tasks at once, to train together.
+        settings = settings.model_copy(update={"fuse_clients": -(-spec.clients.sampled // learners)})
     with EmbeddedCluster(settings, learners=learners, connect=connect, allowed=allowed) as cluster:
         follower = JobFollower(cluster.connect(), job_id).start()
         if interrupt is not None:
@@ -194,6 +197,7 @@ def run_job(
         counters = {
             "model_fetches": [learner.fetches for learner in cluster.learners],
             "tasks_redelivered": sum(learner.redelivered for learner in cluster.learners),
+            "fused_groups": [size for learner in cluster.learners for size in learner.work.fused_groups],
             "reconnects": sum(getattr(s.bus, "reconnects", 0) for _, s in cluster.services()),
             "dead_letters": _merge([s.metrics.dead_letter_counts() for _, s in cluster.services()]),
             "jobs_refused": _merge([s.metrics.refused_counts() for _, s in cluster.services()]),

@@ -1,4 +1,8 @@
-"""Learner: take one task at a time, train off the bus thread, publish the update, then ack.
+"""Learner: take a task, train off the bus thread, publish the update, then ack.
+
+With FEDMQ_FUSE_CLIENTS=G > 1 it takes up to G tasks at once (its prefetch), and trains those
+of one job with `train.fuse`, one round and one global model together (work.train_group); each
+still gets its own update, publish and ack, so nothing downstream sees the difference.
 
 A learner with FEDMQ_SITES takes tasks from those sites' queues only (the scheduler routes a
 site's tasks there); otherwise it takes logical clients' tasks from the shared queue.
@@ -19,7 +23,9 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 import torch
@@ -32,6 +38,7 @@ from fedmq.common.messages import (
     ClientFailure,
     ClientStateGet,
     ClientStateReply,
+    ClientUpdate,
     DdpLaunch,
     DdpStop,
     EvalTask,
@@ -56,6 +63,9 @@ from fedmq.services.learner.work import Work
 log = structlog.get_logger("fedmq.learner")
 
 Task = TrainTask | EvalTask
+R = TypeVar("R")
+
+GATHER_S = 0.02  # how long a fused job's first task waits for the rest of its group to arrive
 FETCH_ATTEMPTS = 5  # model fetches lost to the broker before the task goes back to the queue
 
 
@@ -79,7 +89,8 @@ class LearnerService:
         self._tasks: queue.SimpleQueue[tuple[Task, Delivery] | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._stopping = False
-        self._current: Delivery | None = None
+        self._held = 0  # tasks taken from the broker and not yet settled (acked or returned)
+        self._held_lock = threading.Lock()
         self.redelivered = 0  # tasks that reached this learner marked as redelivered
         self.ddp = DdpRunner(bus, self.name, self.node, Path(settings.state_dir) / "learner", self._fetch)
 
@@ -102,7 +113,7 @@ class LearnerService:
         # A learner hosting sites takes their tasks only (its data is theirs); else any logical client's.
         sites = self.settings.site_names
         for name in [topology.site_queue(site) for site in sites] or [topology.TASKS]:
-            self.bus.consume(name, self.on_task, prefetch=1)
+            self.bus.consume(name, self.on_task, prefetch=self.settings.fuse_clients)
         # Its own queue: the scheduler's launch and stop of a DDP group's rank on this learner.
         self.bus.consume(topology.learner_queue(self.name), self.on_control, prefetch=4)
         self.bus.call_soon(self._heartbeat)
@@ -114,7 +125,7 @@ class LearnerService:
             return  # it said goodbye (_leave): a beat now would bring it back to the table
         beat = Heartbeat(
             learner=self.name, node=self.node, replica=self.replica, device=str(self.device),
-            busy=self._current is not None or self.ddp.active, pid=os.getpid(),
+            busy=self._held > 0 or self.ddp.active, pid=os.getpid(),
             interval_s=self.settings.liveness_s, sites=list(self.settings.site_names), group=self.ddp.group,
         )
         try:
@@ -161,7 +172,8 @@ class LearnerService:
         if delivery.redelivered:
             self.redelivered += 1
             log.info("task_redelivered", job=task.job_id, round=task.round, client=task.client)
-        self._current = delivery  # prefetch 1: at most one task is ours at a time
+        with self._held_lock:
+            self._held += 1
         self._tasks.put((task, delivery))
 
     def on_control(self, delivery: Delivery) -> None:
@@ -186,61 +198,133 @@ class LearnerService:
         self.work.allowed.check(entry.partition(":")[0], "entry", entry)
 
     def _work(self) -> None:
-        while (item := self._tasks.get()) is not None and not self._stopping:
-            # In a DDP group: the task waits, unacked (prefetch 1: no other comes meanwhile); the
+        waiting: list[tuple[Task, Delivery]] = []  # taken while gathering a group, not of it
+        while (item := waiting.pop(0) if waiting else self._tasks.get()) is not None and not self._stopping:
+            # In a DDP group: the task waits, unacked (prefetch: no other comes meanwhile); the
             # round's nudge sends it to another learner if the group outlasts the round.
             while self.ddp.active and not self._stopping:
                 time.sleep(0.5)
-            self._run(*item)
+            group = self._gather(item, waiting)
+            if group is None:
+                self._run(*item)
+            else:
+                self._run_group(group)
+
+    def _gather(
+        self, first: tuple[Task, Delivery], waiting: list[tuple[Task, Delivery]]
+    ) -> list[tuple[TrainTask, Delivery]] | None:
+        """`first` and the tasks taken with it that train with it (one fused job, round and model);
+        None: `first` trains alone, as any task does. Others go to `waiting`, in order."""
+        task = first[0]
+        try:
+            if not isinstance(task, TrainTask) or not self.work.fusable(task):
+                return None
+        except Exception:  # its job cannot load here: `_run` says why, as for any task
+            return None
+        key = (task.job_id, task.round, task.model_digest)
+        group: list[tuple[TrainTask, Delivery]] = [(task, first[1])]
+        rest, waiting[:] = list(waiting), []
+        deadline = time.monotonic() + GATHER_S
+        while len(group) < self.settings.fuse_clients:
+            if rest:
+                item: tuple[Task, Delivery] | None = rest.pop(0)
+            else:
+                try:  # the broker sends a round's tasks in a burst: wait a moment for the rest
+                    item = self._tasks.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+            if item is None:
+                self._tasks.put(None)  # stopping: after this group
+                break
+            other = item[0]
+            if isinstance(other, TrainTask) and (other.job_id, other.round, other.model_digest) == key:
+                group.append((other, item[1]))
+            else:
+                waiting.append(item)
+        waiting.extend(rest)
+        return group
 
     def _run(self, task: Task, delivery: Delivery) -> None:
         # contextvars are per thread: bind here, where the work runs.
         with structlog.contextvars.bound_contextvars(job=task.job_id, round=task.round, client=task.client):
             try:
-                reply = self._work_retrying(task)
+                reply = self._work_retrying(lambda: [self._do(task)])[0]
             except BrokerUnavailable as exc:
                 # The broker's trouble, not the client's: the task goes back, nothing is reported.
                 log.warning("task_returned", error=str(exc)[:300])
-                self._current = None
-                delivery.requeue()
+                self._settle(delivery, requeue=True)
                 return
-            except UserCodeError as exc:
-                log.warning("user_code_failed", phase=exc.phase, error_type=exc.error_type,
-                            error=exc.message[:300])
-                error = exc.info("learner", round=task.round, client=task.client, learner=self.name)
-                reply = self._failure(task, "user_code", error.line(), error)
-            except FedmqError as exc:
-                log.warning("task_failed", error=str(exc))
-                reply = self._failure(task, "invalid", str(exc))
             except Exception as exc:
-                log.exception("task_crashed")
-                reply = self._failure(task, "error", f"{type(exc).__name__}: {exc}")
-            if self._stopping:
-                return  # the task goes back to the queue with our connection
+                reply = self._failed(task, exc)
+            self._send(delivery, reply)
+
+    def _run_group(self, group: list[tuple[TrainTask, Delivery]]) -> None:
+        """Train a group's tasks together; then each task's reply is published and acked on its own."""
+        tasks = [task for task, _ in group]
+        with structlog.contextvars.bound_contextvars(job=tasks[0].job_id, round=tasks[0].round):
             try:
-                self.bus.publish(reply[0], reply[1])
-            except Exception as exc:
-                # Not confirmed, so not acked: the broker hands the task out again.
-                log.warning("publish_failed", error=str(exc)[:300])
-                self._current = None
-                delivery.requeue()
+                outcomes = self._work_retrying(lambda: self.work.train_group(tasks))
+            except BrokerUnavailable as exc:
+                log.warning("tasks_returned", error=str(exc)[:300], count=len(group))
+                for _, delivery in group:
+                    self._settle(delivery, requeue=True)
                 return
-            self._current = None
+            except Exception as exc:  # the group's own work failed: each task says so
+                outcomes = [exc] * len(group)
+        for (task, delivery), outcome in zip(group, outcomes, strict=True):
+            with structlog.contextvars.bound_contextvars(job=task.job_id, round=task.round,
+                                                         client=task.client):
+                reply = ((topology.AGGREGATOR, to_wire(outcome)) if isinstance(outcome, ClientUpdate)
+                         else self._failed(task, outcome))
+                self._send(delivery, reply)
+
+    def _failed(self, task: Task, exc: Exception) -> tuple[str, bytes]:
+        """The ClientFailure a task's error makes: the user's code, a task fedmq refused, a crash."""
+        if isinstance(exc, UserCodeError):
+            log.warning("user_code_failed", phase=exc.phase, error_type=exc.error_type,
+                        error=exc.message[:300])
+            error = exc.info("learner", round=task.round, client=task.client, learner=self.name)
+            return self._failure(task, "user_code", error.line(), error)
+        if isinstance(exc, FedmqError):
+            log.warning("task_failed", error=str(exc))
+            return self._failure(task, "invalid", str(exc))
+        log.error("task_crashed", error=f"{type(exc).__name__}: {exc}"[:500], exc_info=exc)
+        return self._failure(task, "error", f"{type(exc).__name__}: {exc}")
+
+    def _send(self, delivery: Delivery, reply: tuple[str, bytes]) -> None:
+        """Publish a task's reply, then ack the task; a publish not confirmed returns the task."""
+        if self._stopping:
+            return  # the task goes back to the queue with our connection
+        try:
+            self.bus.publish(reply[0], reply[1])
+        except Exception as exc:
+            # Not confirmed, so not acked: the broker hands the task out again.
+            log.warning("publish_failed", error=str(exc)[:300])
+            self._settle(delivery, requeue=True)
+            return
+        self._settle(delivery)
+
+    def _settle(self, delivery: Delivery, requeue: bool = False) -> None:
+        with self._held_lock:
+            self._held -= 1
+        if requeue:
+            delivery.requeue()
+        else:
             delivery.ack()
 
-    def _work_retrying(self, task: Task) -> tuple[str, bytes]:
+    def _work_retrying(self, work: Callable[[], R]) -> R:
         """Train or evaluate; a model fetch lost to the broker is tried again after a backoff."""
         delay = self.settings.retry_initial_s
         for _ in range(FETCH_ATTEMPTS - 1):
             try:
-                return self._do(task)
+                return work()
             except BrokerUnavailable as exc:
                 if self._stopping:
                     raise
                 log.warning("model_fetch_retry", error=str(exc)[:300], retry_in_s=round(delay, 2))
                 time.sleep(delay)  # the training thread: the bus thread keeps the connection alive
                 delay = min(delay * 2, self.settings.retry_max_s)
-        return self._do(task)
+        return work()
 
     def _do(self, task: Task) -> tuple[str, bytes]:
         """The reply a task gets: an EvalReport for the scheduler, a ClientUpdate for the aggregator."""

@@ -32,7 +32,8 @@ from fedmq.common.metrics import Metrics
 from fedmq.common.seeding import torch_generator
 from fedmq.common.settings import Settings
 from fedmq.common.strategy.contract import CLIENT_STATE
-from fedmq.common.task.contract import ClientData, EvalContext, TrainContext, TrainSettings
+from fedmq.common.task.contract import ClientData, EvalContext, TrainContext, TrainResult, TrainSettings
+from fedmq.common.task.fused import group_size
 from fedmq.common.task.runtime import TaskRuntime
 from fedmq.common.usercode import UserCodeError
 
@@ -129,6 +130,23 @@ def compressed(
                                      "extras": extras})
 
 
+def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained model's tensors, copied to the host (the model is trained again next task)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def fuse_budget(device: torch.device) -> int:
+    """A quarter of the device's free memory (the host's available memory on CPU; 1 GiB unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0]) // 4
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024 // 4
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 1 << 30
+
+
 def _shape(spec: tuple[tuple[int, ...], torch.dtype] | None) -> str:
     return "missing" if spec is None else f"{list(spec[0])} {str(spec[1]).removeprefix('torch.')}"
 
@@ -151,6 +169,7 @@ class Work:
         self._jobs: OrderedDict[str, JobContext] = OrderedDict()
         self._models: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self.fetches = 0  # global models fetched over the bus (the rest came from the cache)
+        self.fused_groups: list[int] = []  # the size of each group trained fused, oldest first
 
     def train(self, task: TrainTask) -> ClientUpdate:
         job = self._job(task.job_id, task.spec)
@@ -162,29 +181,110 @@ class Work:
         fetched = time.perf_counter()
         data = self._client_data(job, task.job_id, task.client)
         load_global(job.model, weights, task.round, task.client)
+        ctx = self._context(job, task, weights, client_state)
+        result = job.runtime.train(job.model, data, ctx)
+        state = _cpu_state(job.model)
+        seconds = time.perf_counter() - fetched
+        self.metrics.train_seconds.observe(seconds)
+        return self._update(job, task, weights, state, result, seconds, fetched - started, fetch_bytes,
+                            residual)
+
+    def fusable(self, task: TrainTask) -> bool:
+        """Whether this task goes to `train_group`: its job trains fused and keeps no client state."""
+        return self._job(task.job_id, task.spec).spec.train.fuse and not task.config.get(CLIENT_STATE)
+
+    def train_group(self, tasks: list[TrainTask]) -> list[ClientUpdate | Exception]:
+        """Tasks of one fused job, round and global model, trained together in groups of at most
+        `group_limit`; each task's update, or the error that fails it (its data, a divergence).
+
+        A model or Task fusion cannot take trains them one at a time; a task alone trains through
+        the same kernel as a group, so its client's bits do not depend on the others (on CPU)."""
+        first = tasks[0]
+        job = self._job(first.job_id, first.spec)
+        started = time.perf_counter()
+        weights, fetch_bytes = self._weights(first.job_id, first.model_digest)
+        fetched = time.perf_counter()
+        load_global(job.model, weights, first.round, first.client)
+        out: list[ClientUpdate | Exception | None] = [None] * len(tasks)
+        ready: list[tuple[int, ClientData, TrainContext]] = []
+        for i, task in enumerate(tasks):
+            try:
+                data = self._client_data(job, task.job_id, task.client)
+            except Exception as exc:  # this client's data: its failure alone
+                out[i] = exc
+                continue
+            ready.append((i, data, self._context(job, task, weights, {})))
+        limit = self.group_limit(job)
+        for at in range(0, len(ready), limit):
+            chunk = ready[at:at + limit]
+            began = time.perf_counter()
+            trained = job.runtime.train_group(job.model, [d for _, d, _ in chunk], [c for _, _, c in chunk])
+            if trained is None:  # one at a time, as `train` does
+                log.info("tasks_not_fused", count=len(chunk))
+                for i, data, ctx in chunk:
+                    try:
+                        began = time.perf_counter()
+                        load_global(job.model, weights, tasks[i].round, tasks[i].client)
+                        result = job.runtime.train(job.model, data, ctx)
+                        out[i] = self._update(job, tasks[i], weights, _cpu_state(job.model), result,
+                                              time.perf_counter() - began, fetched - started, fetch_bytes)
+                    except Exception as exc:
+                        out[i] = exc
+                continue
+            seconds = (time.perf_counter() - began) / len(chunk)  # each client's share of the group's time
+            self.fused_groups.append(len(chunk))
+            log.info("tasks_fused", count=len(chunk), seconds=round(seconds * len(chunk), 4), limit=limit)
+            for (i, _, _), one in zip(chunk, trained, strict=True):
+                if isinstance(one, Exception):
+                    out[i] = one
+                    continue
+                self.metrics.train_seconds.observe(seconds)
+                try:
+                    out[i] = self._update(job, tasks[i], weights, one[0], one[1], seconds, fetched - started,
+                                          fetch_bytes)
+                except Exception as exc:
+                    out[i] = exc
+        return [o if o is not None else FedmqError("not trained") for o in out]
+
+    def group_limit(self, job: JobContext) -> int:
+        """The most clients in one fused group: FEDMQ_FUSE_CLIENTS, and what fits the memory budget."""
+        budget = self.settings.fuse_memory_bytes or fuse_budget(self.device)
+        fits = group_size(job.model, self._train_settings(job), budget)
+        return max(1, min(self.settings.fuse_clients, fits))
+
+    def _train_settings(self, job: JobContext) -> TrainSettings:
         t = job.spec.train
-        ctx = TrainContext(
+        return TrainSettings(epochs=t.epochs, batch_size=t.batch_size, max_steps=t.max_steps,
+                             optimizer=t.optimizer, lr=t.lr, momentum=t.momentum,
+                             weight_decay=t.weight_decay, options=t.options)
+
+    def _context(
+        self, job: JobContext, task: TrainTask, weights: dict[str, torch.Tensor],
+        client_state: dict[str, torch.Tensor],
+    ) -> TrainContext:
+        return TrainContext(
             client=task.client, round=task.round, seed=job.spec.seed, device=self.device,
-            train=TrainSettings(epochs=t.epochs, batch_size=t.batch_size, max_steps=t.max_steps,
-                                optimizer=t.optimizer, lr=t.lr, momentum=t.momentum,
-                                weight_decay=t.weight_decay, options=t.options),
+            train=self._train_settings(job),
             generator=torch_generator(job.spec.seed, "train", task.round, task.client),
             global_weights=weights, config=task.config,
             client_state={k: v.to(self.device) for k, v in client_state.items()},
         )
-        result = job.runtime.train(job.model, data, ctx)
+
+    def _update(
+        self, job: JobContext, task: TrainTask, weights: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor], result: TrainResult, seconds: float, fetch_seconds: float,
+        fetch_bytes: int, residual: Residual | None = None,
+    ) -> ClientUpdate:
+        """The client's update, compressed as the job says (`residual`: topk's, kept as client state)."""
         if result.num_examples == 0:
             raise FedmqError(f"client {task.client} has no training data")
-        state = {k: v.detach().to("cpu", copy=True) for k, v in job.model.state_dict().items()}
-        seconds = time.perf_counter() - fetched
-        self.metrics.train_seconds.observe(seconds)
-        log.info("task_trained", examples=result.num_examples, seconds=round(seconds, 4),
+        log.info("task_trained", client=task.client, examples=result.num_examples, seconds=round(seconds, 4),
                  loss=round(result.metrics.get("loss", float("nan")), 4),
                  site=job.spec.clients.site(task.client))
         update = ClientUpdate(
             job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
             base_digest=task.model_digest, num_examples=result.num_examples, metrics=dict(result.metrics),
-            train_seconds=seconds, fetch_seconds=fetched - started, fetch_bytes=fetch_bytes,
+            train_seconds=seconds, fetch_seconds=fetch_seconds, fetch_bytes=fetch_bytes,
             learner=self.name, weights=state, extras=dict(result.extras),
         )
         return compressed(update, weights, job.spec.compression, residual)

@@ -45,10 +45,13 @@ def test_the_example_job_survives_seeded_chaos(tmp_path: Path) -> None:
     rounds = sorted(rng.sample(range(2, 27), len(actions)))
     plan = list(zip(rounds, actions, strict=True))
     spec_path = tmp_path / "digits.yaml"  # the example, one epoch a round: chaos needs rounds, not compute
-    spec_path.write_text((REPO / "examples" / "digits.yaml").read_text().replace("epochs: 5", "epochs: 1"))
+    # Fused (issue 18): a learner takes up to 4 tasks at once and trains them together; a killed
+    # one's group is redelivered and regrouped elsewhere, and the bits must not change.
+    text = (REPO / "examples" / "digits.yaml").read_text().replace("epochs: 5", "epochs: 1")
+    spec_path.write_text(text.replace("lr: 0.05}", "lr: 0.05, fuse: true}"))
     deadline = time.monotonic() + BUDGET_S
     done: list[str] = []
-    with cluster(tmp_path, learners=LEARNERS, FEDMQ_RETRY_INITIAL_S="0.2") as c:
+    with cluster(tmp_path, learners=LEARNERS, FEDMQ_RETRY_INITIAL_S="0.2", FEDMQ_FUSE_CLIENTS="4") as c:
         c.wait_learners(LEARNERS)
         job_id = c.fedmq("submit", str(spec_path)).stdout.strip()
         for at_round, action in plan:
@@ -76,14 +79,16 @@ def test_the_example_job_survives_seeded_chaos(tmp_path: Path) -> None:
         logs = {name: c.log(name) for name in c.procs}
         dead = dead_letters(c.url)
     redelivered = sum(text.count('"task_redelivered"') for text in logs.values())
+    fused = sum(text.count('"tasks_fused"') for text in logs.values())
     duplicates = logs["aggregator"].count('"update_duplicate"')
     print(
         f"\nchaos seed={SEED}: survived {len(done)} disruptions ({', '.join(done)}); "
-        f"tasks redelivered={redelivered}, duplicate updates ignored={duplicates}, "
+        f"tasks redelivered={redelivered}, duplicate updates ignored={duplicates}, fused groups={fused}, "
         f"dead-lettered={len(dead)} ({sorted({str(h.get('x-fedmq-reason', '?'))[:30] for h, _ in dead})})"
     )
     assert result["status"] == "completed"
     assert [h["round"] for h in result["history"]] == list(range(31))
+    assert fused >= 30, "the learners trained fused"
     embedded = run_job(load_job(spec_path), Settings(state_dir=tmp_path / "embedded"))
     assert_bit_identical(load_state(result["model_path"])[0], load_state(embedded["model_path"])[0])
 

@@ -6,6 +6,7 @@ generator: fused training must draw the same batches and land within float toler
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -162,7 +163,7 @@ def test_a_clients_fused_result_is_bit_identical_in_any_group(name: str, summed:
     task, data = Mlp(summed=summed), clients([3, 35, 17, 8, 8, 26, 11, 30, 64, 1])
     model = model_for(task)
 
-    def grouped(groups: list[list[int]]) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, float]]]:
+    def grouped(groups: list[list[int]]) -> dict[int, tuple[dict[str, torch.Tensor], Mapping[str, float]]]:
         ctxs = contexts(model, len(data), SETTINGS[name], {"proximal_mu": 0.3})
         out = {}
         for group in groups:
@@ -172,7 +173,8 @@ def test_a_clients_fused_result_is_bit_identical_in_any_group(name: str, summed:
         return out
 
     together = grouped([list(range(10))])
-    for groups in ([[i] for i in range(10)], [[0, 4, 7], [1, 2], [3, 5, 6, 8], [9]], [list(range(9, -1, -1))]):
+    splits = [[[i] for i in range(10)], [[0, 4, 7], [1, 2], [3, 5, 6, 8], [9]], [list(range(9, -1, -1))]]
+    for groups in splits:
         other = grouped(groups)
         for i, (weights, metrics) in together.items():
             assert metrics == other[i][1], (i, groups)

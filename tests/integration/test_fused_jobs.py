@@ -1,0 +1,42 @@
+"""Jobs with `train.fuse`: a learner trains the clients of a round it holds together (issue 18).
+
+A client's fused arithmetic does not depend on the clients beside it, so a fused job gives the
+same bits with one learner taking a round's tasks at once, with three learners on RabbitMQ
+taking two at a time, and with a memory budget so small that each client trains alone; and the
+weights stay within float error of plain sequential FedAvg.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedmq.common.checkpoint import load_state
+from fedmq.common.settings import Settings
+from fedmq.services.cli.embedded import run_job
+from tests.conftest import assert_bit_identical, assert_matches_reference, small_job
+from tests.integration.conftest import Transport
+from tests.reference import reference_fedavg
+
+FUSED = small_job(clients__total=9, clients__per_round=6, rounds=3, train__fuse=True, train__epochs=2)
+
+
+def test_a_fused_job_gives_the_same_bits_however_its_clients_are_grouped(transport: Transport) -> None:
+    together = run_job(FUSED, Settings(state_dir=transport.settings.state_dir / "one"), idle_timeout=60)
+    assert together["status"] == "completed", together.get("reason")
+    assert together["fused_groups"] == [6, 6, 6], "one learner takes a round's 6 tasks at once"
+    weights = load_state(together["model_path"])[0]
+    assert_matches_reference(together, reference_fedavg(FUSED))  # within float error of one at a time
+
+    shared = Settings(**{**transport.settings.model_dump(), "fuse_clients": 2})
+    spread = run_job(FUSED, shared, learners=3, connect=transport.connect, idle_timeout=60)
+    assert spread["status"] == "completed", spread.get("reason")
+    assert sum(spread["fused_groups"]) == 18 and max(spread["fused_groups"]) <= 2
+    assert_bit_identical(load_state(spread["model_path"])[0], weights)
+
+
+def test_a_tiny_memory_budget_shrinks_the_groups_and_the_job_still_completes(tmp_path: Path) -> None:
+    tiny = run_job(FUSED, Settings(state_dir=tmp_path, fuse_memory_bytes=1), idle_timeout=60)
+    assert tiny["status"] == "completed", tiny.get("reason")
+    assert tiny["fused_groups"] == [1] * 18, "each client alone: no two fit the budget"
+    one = run_job(FUSED, Settings(state_dir=tmp_path / "one"), idle_timeout=60)
+    assert_bit_identical(load_state(tiny["model_path"])[0], load_state(one["model_path"])[0])
