@@ -75,8 +75,10 @@ def main() -> None:
     if args.child:
         kind, job, raw = args.child
         overrides = json.loads(raw)
-        out = child_plain(job, overrides) if kind == "plain" else child_fedmq(job, overrides, args.weights_out)
-        print(json.dumps(out))
+        if kind == "plain":
+            print(json.dumps(child_plain(job, overrides)))
+        else:
+            print(json.dumps(child_fedmq(job, overrides, args.weights_out)))
         return
     report: dict[str, Any] = {"benchmark": "fused_run", "cpus": os.cpu_count(), "rounds": args.rounds}
     with tempfile.TemporaryDirectory() as out:

@@ -38,7 +38,7 @@ from torch import nn
 from fedmq.common.strategy.contract import PROXIMAL_MU, SCAFFOLD
 from fedmq.common.task.batches import Source, batch_size_of, source, to_device
 from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
-from fedmq.common.task.loop import _Sums, split_loss
+from fedmq.common.task.loop import split_loss
 
 if TYPE_CHECKING:
     from fedmq.common.task.contract import Task
@@ -150,14 +150,12 @@ class _Trainer:
         self.streams = [
             _stream(src, self.settings, ctx.generator) for src, ctx in zip(sources, ctxs, strict=True)
         ]
-        self.sums = [_Sums(device) for _ in ctxs]
+        self.totals: dict[str, torch.Tensor] = {}  # name -> each client's example-weighted sum, this epoch
         self.seen = [0] * self.count
-        self.grad = torch.func.vmap(
-            torch.func.grad_and_value(self._loss, has_aux=True), in_dims=(0, 0), randomness="error"
-        )
-        self.masked_grad = torch.func.vmap(
-            torch.func.grad_and_value(self._masked_loss, has_aux=True), in_dims=(0, 0, 0), randomness="error"
-        )
+        # Forward under vmap, backward by autograd through it: the sum of independent clients'
+        # losses has each client's gradient in its own row, without a grad transform per step.
+        self.losses = torch.func.vmap(self._loss, in_dims=(0, 0), randomness="error")
+        self.masked_losses = torch.func.vmap(self._masked_loss, in_dims=(0, 0, 0), randomness="error")
         self.per_example = torch.func.vmap(self._one_example, in_dims=(None, 0), randomness="error")
         self.masked: bool | None = None  # decided on the first batch: does the loss average its examples?
 
@@ -232,7 +230,10 @@ class _Trainer:
             else:
                 for group in pending.values():
                     self._step(group, step)
-        return [self._outcome(i) for i in range(self.count)]
+        names = list(self.totals)
+        totals = torch.stack([self.totals[n] for n in names]).cpu().tolist() if names else []  # one host sync
+        per_client = [{n: t[i] for n, t in zip(names, totals, strict=True)} for i in range(self.count)]
+        return [self._outcome(i, sums) for i, sums in enumerate(per_client)]
 
     def _step(self, group: list[tuple[int, Any, bool]], step: int, padded: bool = False) -> None:
         """One optimizer step for `group`; `padded`: each batch is padded to the job's batch size
@@ -243,17 +244,22 @@ class _Trainer:
         whole = len(group) == self.count
         params = {n: (r if whole else r.index_select(0, index)) for n, r in self.rows.items()}
         sizes = [batch_size_of(batch) for _, batch, _ in group]
+        leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
         try:
-            if padded:
-                longest = max(self.settings.batch_size, *sizes)
-                batches = _stack([_pad(batch, longest) for _, batch, _ in group], self.device)
-                mask = torch.stack([
-                    (torch.arange(longest) < size).to(torch.float32) for size in sizes
-                ]).to(self.device)
-                grads, (_, aux) = self.masked_grad(params, batches, mask)
-            else:
-                batches = _stack([batch for _, batch, _ in group], self.device)
-                grads, (_, aux) = self.grad(params, batches)
+            with torch.enable_grad():
+                if padded:
+                    longest = max(self.settings.batch_size, *sizes)
+                    batches = _stack([_pad(batch, longest) for _, batch, _ in group], self.device)
+                    mask = torch.stack([
+                        (torch.arange(longest) < size).to(torch.float32) for size in sizes
+                    ]).to(self.device)
+                    losses, aux = self.masked_losses(leaves, batches, mask)
+                else:
+                    batches = _stack([batch for _, batch, _ in group], self.device)
+                    losses, aux = self.losses(leaves, batches)
+                found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+            grads = {n: torch.zeros_like(leaves[n]) if g is None else g  # unused by the loss: no gradient
+                     for n, g in zip(leaves, found, strict=True)}
         except (RuntimeError, ValueError, IndexError, TypeError) as err:  # random numbers, no vmap rule
             raise _CannotFuse(str(err)) from err
         new = self._update(params, grads, index, whole, step)
@@ -262,11 +268,19 @@ class _Trainer:
                 self.rows[n] = new[n]
             else:
                 self.rows[n].index_copy_(0, index, new[n])
-        for row, ((i, _, new_epoch), size) in enumerate(zip(group, sizes, strict=True)):
-            if new_epoch:  # the result reports the last epoch, as the sequential loop does
-                self.sums[i], self.seen[i] = _Sums(self.device), 0
-            self.sums[i].add(aux["loss"][row], {n: v[row] for n, v in aux.items() if n != "loss"}, size)
-            self.seen[i] += size
+        fresh = [i for i, _, new_epoch in group if new_epoch]  # the result reports the last epoch only
+        if fresh:
+            at = torch.tensor(fresh, device=self.device)
+            for total in self.totals.values():
+                total.index_fill_(0, at, 0.0)
+        weights = torch.tensor(sizes, dtype=torch.float64, device=self.device)
+        for name, values in aux.items():  # as the sequential loop sums: value × size, in float64
+            if name not in self.totals:
+                self.totals[name] = torch.zeros(self.count, dtype=torch.float64, device=self.device)
+            total = self.totals[name]
+            total.index_add_(0, index, values.detach().to(torch.float64).reshape(-1) * weights)
+        for (i, _, new_epoch), size in zip(group, sizes, strict=True):
+            self.seen[i] = size if new_epoch else self.seen[i] + size
 
     def _update(
         self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], index: torch.Tensor,
@@ -329,10 +343,11 @@ class _Trainer:
         denom = v.sqrt() / correction2 + ADAM_EPS
         return p - (self.settings.lr / correction1) * (m / denom)
 
-    def _outcome(self, i: int) -> Fused:
+    def _outcome(self, i: int, totals: dict[str, float]) -> Fused:
         weights = {n: self.rows[n][i].detach().clone() for n in self.names}
         seen = self.seen[i]
-        return Fused(weights, TrainResult(seen, self.sums[i].means(seen)))  # one host sync per client
+        metrics = {name: total / seen for name, total in totals.items()} if seen else {}
+        return Fused(weights, TrainResult(seen, metrics))
 
 
 def _stream(src: Source, settings: TrainSettings, generator: torch.Generator) -> Iterator[tuple[Any, bool]]:
