@@ -65,7 +65,7 @@ log = structlog.get_logger("fedmq.learner")
 Task = TrainTask | EvalTask
 R = TypeVar("R")
 
-GATHER_S = 0.02  # how long a fused job's first task waits for the rest of its group to arrive
+GATHER_S = 0.02  # how long a fused group waits for another task of a round's burst to arrive
 FETCH_ATTEMPTS = 5  # model fetches lost to the broker before the task goes back to the queue
 
 
@@ -236,6 +236,7 @@ class LearnerService:
             if item is None:
                 self._tasks.put(None)  # stopping: after this group
                 break
+            deadline = time.monotonic() + GATHER_S  # the burst goes on: wait for its next task
             other = item[0]
             if isinstance(other, TrainTask) and (other.job_id, other.round, other.model_digest) == key:
                 group.append((other, item[1]))
