@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/strategies.py
 	$(BIN)/python benchmarks/robust_memory.py
 	$(BIN)/python benchmarks/fused.py
+	$(BIN)/python benchmarks/fused_run.py
 
 clean:
 	rm -rf $(VENV) .fedmq .pytest_cache .mypy_cache .hypothesis

@@ -22,7 +22,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-CASES = {
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "10_clients_per_round": ("examples/digits.yaml", {}),
     "100_clients_per_round": ("examples/digits-100.yaml", {"clients.per_round": 100, "clients.min_fit": 100}),
 }
@@ -83,6 +83,8 @@ def main() -> None:
     report: dict[str, Any] = {"benchmark": "fused_run", "cpus": os.cpu_count(), "rounds": args.rounds}
     with tempfile.TemporaryDirectory() as out:
         for case, (job, extra) in CASES.items():
+            if os.environ.get("ONLY") and case != os.environ["ONLY"]:
+                continue
             base = {"rounds": args.rounds, **extra}
             paths = {fuse: str(Path(out) / f"{case}-{fuse}.safetensors") for fuse in (True, False)}
             fused = run_child("fedmq", job, json.dumps({**base, "train.fuse": True}), "--weights-out",
@@ -94,7 +96,7 @@ def main() -> None:
                 "plain_loop_round_s": plain["round_s_median"],
                 "fused_vs_plain_loop": fused["round_s_median"] / plain["round_s_median"],
                 "fused_vs_unfused": fused["round_s_median"] / unfused["round_s_median"],
-                "fused_groups": fused["fused_groups"],
+                "fused_groups": fused["fused_groups"], "unfused_groups": unfused["fused_groups"],
                 "weights_max_difference_vs_unfused": max_difference(paths[True], paths[False]),
                 "status": [fused["status"], unfused["status"]],
             }
