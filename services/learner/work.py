@@ -190,8 +190,13 @@ class Work:
                             residual)
 
     def fusable(self, task: TrainTask) -> bool:
-        """Whether this task goes to `train_group`: its job trains fused and keeps no client state."""
-        return self._job(task.job_id, task.spec).spec.train.fuse and not task.config.get(CLIENT_STATE)
+        """Whether this task goes to `train_group`: its job trains fused and keeps no client state.
+        (Its spec is checked when the job loads; a task of a job that cannot load trains alone,
+        to fail with the reason, counted once.)"""
+        train = task.spec.get("train")
+        if not (isinstance(train, dict) and train.get("fuse") is True) or task.config.get(CLIENT_STATE):
+            return False
+        return self._job(task.job_id, task.spec).spec.train.fuse
 
     def train_group(self, tasks: list[TrainTask]) -> list[ClientUpdate | Exception]:
         """Tasks of one fused job, round and global model, trained together in groups of at most
