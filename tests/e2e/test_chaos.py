@@ -97,6 +97,7 @@ def rounds_opened(c: Cluster) -> int:
     return c.log("aggregator").count('"round_opened"')
 
 
+@pytest.mark.soak  # 85 s of the suite; test_broker_closes.py runs the same closes, fewer of them
 def test_a_storm_of_broker_side_closes_kills_no_service_and_changes_no_weight(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     # After a learner trained, its chunked update is on its way; when a round opens, its tasks
