@@ -28,9 +28,11 @@ _OS_ERROR = re.compile(r"os error (\d+)")
 
 
 def save_state(
-    path: str | Path, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    path: str | Path, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
+    sync: bool = True,
 ) -> Path:
-    """Write atomically and durably (statefiles): a crash or a full disk never leaves half a file.
+    """Write atomically and durably (statefiles; `sync`: fsynced): a crash or a full disk never
+    leaves half a file.
 
     A failed write raises StateUnwritable naming the path and errno; the old file is untouched.
     """
@@ -49,7 +51,7 @@ def save_state(
             code = int(found[1])
             raise OSError(code, os.strerror(code), str(tmp)) from exc
 
-    statefiles.atomic_file(path, produce)
+    statefiles.atomic_file(path, produce, sync)
     return path
 
 

@@ -60,6 +60,10 @@ class Settings(BaseSettings):
         True, description="amqps: check that the broker's certificate names the URL's host",
     )
     state_dir: Path = Field(Path(".fedmq"), description="where jobs, checkpoints and updates persist")
+    fsync: bool = Field(
+        True, description="fsync state before acking; false (fedmq run's choice) survives a killed "
+        "process but not a power loss",
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 disables")
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: console on a TTY, JSON otherwise"

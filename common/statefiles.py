@@ -5,7 +5,9 @@
                           and StateUnwritable names the path and errno
 
 Readers only ever open final names, so a half-written file (a crash mid-write, a full disk)
-is never picked up; `remove_temps` sweeps what a crash left.
+is never picked up; `remove_temps` sweeps what a crash left. With `sync=False` (FEDMQ_FSYNC=false,
+as `fedmq run` sets it) the two fsyncs are skipped: a killed process still leaves whole files (the
+rename is atomic and the kernel keeps what was written), only a power loss may not.
 """
 
 from __future__ import annotations
@@ -39,29 +41,31 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes, sync: bool = True) -> None:
     """Replace `path` with `data`, durably."""
 
     def produce(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             f.write(data)
-            _flush(f)
+            if sync:
+                _flush(f)
 
-    _replace(path, produce)
+    _replace(path, produce, sync)
 
 
-def atomic_file(path: Path, produce: Callable[[Path], object]) -> None:
+def atomic_file(path: Path, produce: Callable[[Path], object], sync: bool = True) -> None:
     """Replace `path` with the file `produce(tmp)` writes at a temporary path (a library's writer)."""
 
     def synced(tmp: Path) -> None:
         produce(tmp)
-        with open(tmp, "rb") as f:
-            _flush(f)
+        if sync:
+            with open(tmp, "rb") as f:
+                _flush(f)
 
-    _replace(path, synced)
+    _replace(path, synced, sync)
 
 
-def _replace(path: Path, produce: Callable[[Path], object]) -> None:
+def _replace(path: Path, produce: Callable[[Path], object], sync: bool) -> None:
     tmp = temp_path(path)
     with writing(path):
         try:
@@ -71,15 +75,17 @@ def _replace(path: Path, produce: Callable[[Path], object]) -> None:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        fsync_dir(path.parent)
+        if sync:
+            fsync_dir(path.parent)
 
 
-def move_into(src: Path, dest: Path) -> None:
+def move_into(src: Path, dest: Path, sync: bool = True) -> None:
     """Move a file that is already durable (fsynced when written) to `dest`, durably."""
     with writing(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(src, dest)
-        fsync_dir(dest.parent)
+        if sync:
+            fsync_dir(dest.parent)
 
 
 def fsync_dir(path: Path) -> None:

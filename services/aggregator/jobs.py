@@ -66,7 +66,7 @@ def views(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def new_job(root: Path, job_id: str, spec: JobSpec, allowed: AllowList) -> AggJob:
+def new_job(root: Path, job_id: str, spec: JobSpec, allowed: AllowList, sync: bool = True) -> AggJob:
     """A new job with its initial model built from the spec; nothing is on disk until round 0 commits.
 
     Its Task and strategy come only from modules `allowed` lets in (CodeNotAllowed, before importing),
@@ -74,7 +74,7 @@ def new_job(root: Path, job_id: str, spec: JobSpec, allowed: AllowList) -> AggJo
     """
     check_code(spec, allowed)  # every name first, before check_strategy imports anything
     check_strategy(spec, allowed)
-    return _assemble(spec, JobStore(root, job_id), allowed)
+    return _assemble(spec, JobStore(root, job_id, sync), allowed)
 
 
 def stored_jobs(root: Path) -> list[str]:
@@ -88,9 +88,9 @@ def stored_jobs(root: Path) -> list[str]:
     ]
 
 
-def restore_job(root: Path, job_id: str, allowed: AllowList) -> AggJob:
+def restore_job(root: Path, job_id: str, allowed: AllowList, sync: bool = True) -> AggJob:
     """A stored job rebuilt from its spec, latest committed checkpoint and round records."""
-    store = JobStore(root, job_id)
+    store = JobStore(root, job_id, sync)
     spec_json = store.load_spec()
     assert spec_json is not None
     job = _assemble(JobSpec.model_validate_json(spec_json), store, allowed)

@@ -91,7 +91,7 @@ class AggregatorService:
             log.info("temp_files_removed", count=removed)
         for job_id in stored_jobs(self.root):
             try:
-                job = restore_job(self.root, job_id, self.allowed)
+                job = restore_job(self.root, job_id, self.allowed, self.settings.fsync)
             except UserCodeError as exc:
                 self.bus.call_soon(functools.partial(self._user_code_failed, job_id, exc, 0))
                 continue
@@ -183,7 +183,7 @@ class AggregatorService:
         if len(weights) != len(msg.weights) or not weights:
             raise ValidationError("wrong_tensors", "a DDP model holds tensors only")
         check_model(weights, self.settings.max_model_bytes)
-        store = JobStore(self.root, msg.job_id)
+        store = JobStore(self.root, msg.job_id, self.settings.fsync)
         if store.load_spec() is None:
             store.save_spec(json.dumps(msg.spec, sort_keys=True))
         key = store.write_checkpoint(msg.step, weights, {})
@@ -220,7 +220,7 @@ class AggregatorService:
             self._resend_closed(self.jobs[msg.job_id], 0)
             return
         try:
-            job = new_job(self.root, msg.job_id, parse_job(msg.spec), self.allowed)
+            job = new_job(self.root, msg.job_id, parse_job(msg.spec), self.allowed, self.settings.fsync)
         except UserCodeError:
             raise
         except CodeNotAllowed as exc:  # the scheduler refuses these: this one came another way

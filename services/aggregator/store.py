@@ -46,14 +46,16 @@ def weights_digest(key: str) -> str:
 class JobStore:
     """Everything the aggregator keeps for one job."""
 
-    def __init__(self, root: Path, job_id: str) -> None:
+    def __init__(self, root: Path, job_id: str, sync: bool = True) -> None:
+        """`sync`: fsync every write (FEDMQ_FSYNC; statefiles)."""
         self.root = root / job_id
         self.job_id = job_id
+        self.sync = sync
 
     # -- spec and round index -------------------------------------------------
 
     def save_spec(self, spec_json: str) -> None:
-        statefiles.atomic_write(self.root / "spec.json", spec_json.encode())
+        statefiles.atomic_write(self.root / "spec.json", spec_json.encode(), self.sync)
 
     def rounds(self) -> dict[int, str]:
         path = self.root / "rounds.json"
@@ -67,7 +69,7 @@ class JobStore:
 
     def save_json(self, name: str, value: dict[str, Any]) -> None:
         """Small records that let a restarted aggregator pick up: the open round, the last close."""
-        statefiles.atomic_write(self.root / f"{name}.json", json.dumps(value).encode())
+        statefiles.atomic_write(self.root / f"{name}.json", json.dumps(value).encode(), self.sync)
 
     def load_json(self, name: str) -> dict[str, Any] | None:
         path = self.root / f"{name}.json"
@@ -85,13 +87,14 @@ class JobStore:
         """
         key = f"{codec.state_digest(state)}-{codec.state_digest(extra)}"
         tensors = {f"w.{k}": v for k, v in state.items()} | {f"s.{k}": v for k, v in extra.items()}
-        save_state(self.checkpoint_path(key), tensors, {"round": str(server_round)})
+        save_state(self.checkpoint_path(key), tensors, {"round": str(server_round)}, self.sync)
         return key
 
     def commit_round(self, server_round: int, key: str) -> None:
         """Make checkpoint `key` the round's: the point from which a restart resumes."""
         rounds = self.rounds() | {server_round: key}
-        statefiles.atomic_write(self.root / "rounds.json", json.dumps(rounds, sort_keys=True).encode())
+        body = json.dumps(rounds, sort_keys=True).encode()
+        statefiles.atomic_write(self.root / "rounds.json", body, self.sync)
 
     def load_checkpoint(self, key: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(weights, strategy state) of the checkpoint `key` (a rounds.json value)."""
@@ -139,7 +142,7 @@ class JobStore:
 
     def put_update(self, server_round: int, client: int, body: bytes | Path) -> None:
         """Keep an update's body (moving it if it is a file); once it exists it is stored."""
-        _put(self._update_path(server_round, client), body)  # a spool file was fsynced on receipt
+        _put(self._update_path(server_round, client), body, self.sync)  # a spool file was fsynced on receipt
 
     def read_update(self, server_round: int, client: int) -> codec.TensorFile:
         """A stored update: its other fields decoded, its weights read from disk only when accessed."""
@@ -163,7 +166,7 @@ class JobStore:
 
     def put_early(self, server_round: int, client: int, body: bytes | Path) -> None:
         """Keep an update whose round is not open here yet; a later copy replaces it."""
-        _put(self._early_path(server_round, client), body)
+        _put(self._early_path(server_round, client), body, self.sync)
 
     def early_clients(self, server_round: int) -> list[int]:
         return _clients(self.root / "early" / f"r{server_round}")
@@ -172,18 +175,18 @@ class JobStore:
         """The round opened with this client: its early update becomes a stored one."""
         dest = self._update_path(server_round, client)
         if not dest.exists():
-            _put(dest, self._early_path(server_round, client))
+            _put(dest, self._early_path(server_round, client), self.sync)
 
     def drop_early(self, server_round: int) -> None:
         shutil.rmtree(self.root / "early" / f"r{server_round}", ignore_errors=True)
 
 
-def _put(dest: Path, body: bytes | Path) -> None:
+def _put(dest: Path, body: bytes | Path, sync: bool) -> None:
     """Write bytes, or move a file already fsynced (a spooled update), into place."""
     if isinstance(body, Path):
-        statefiles.move_into(body, dest)
+        statefiles.move_into(body, dest, sync)
     else:
-        statefiles.atomic_write(dest, body)
+        statefiles.atomic_write(dest, body, sync)
 
 
 def _clients(folder: Path) -> list[int]:

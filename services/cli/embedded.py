@@ -168,6 +168,10 @@ def run_job(
     rounds: dict[int, dict[str, Any]] = {}
     final: dict[str, Any] = {"status": "unknown"}
     started = time.perf_counter()
+    if connect is None and "fsync" not in settings.model_fields_set:
+        # One process on an in-memory bus: a crash loses the bus's messages whatever is on disk, and
+        # a killed process still leaves whole files; fsyncs would only slow every update down.
+        settings = settings.model_copy(update={"fsync": False})
     if spec.train.fuse and "fuse_clients" not in settings.model_fields_set:
         # One process: each learner takes its share of a round's tasks at once, to train together.
         settings = settings.model_copy(update={"fuse_clients": -(-spec.clients.sampled // learners)})

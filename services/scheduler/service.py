@@ -78,7 +78,7 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         self.jobs: dict[str, SchedJob] = {}
         self.registry = Registry(master_node=settings.master_node)
         self.grace_until = time.monotonic() + 1.5 * settings.liveness_s
-        self.rows = JobRows(Path(settings.state_dir) / "scheduler" / "jobs.sqlite")
+        self.rows = JobRows(Path(settings.state_dir) / "scheduler" / "jobs.sqlite", settings.fsync)
         self.retry = StateRetry(bus, self.metrics, settings)
 
     def start(self) -> None:

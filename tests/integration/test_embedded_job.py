@@ -34,6 +34,21 @@ def test_two_runs_of_the_same_spec_give_bit_identical_weights(settings: Settings
     assert [h["metrics"] for h in first["history"]] == [h["metrics"] for h in second["history"]]
 
 
+def test_fedmq_run_skips_fsync_unless_told_and_the_weights_are_the_same_either_way(
+    settings: Settings, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    real, synced = os.fsync, []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    quick = run_job(small_job(rounds=2), settings, idle_timeout=60)
+    assert len(synced) == 2  # the final model alone, the user's to keep: the file and its folder
+    durable_settings = Settings(state_dir=tmp_path / "durable", fsync=True)
+    durable = run_job(small_job(rounds=2), durable_settings, idle_timeout=60)
+    assert len(synced) > 10  # every update, checkpoint and record, and the scheduler's commits
+    assert quick["model_digest"] == durable["model_digest"]
+
+
 def test_changing_the_seed_changes_the_final_weights(settings: Settings) -> None:
     a = run_job(small_job(seed=1), settings, idle_timeout=60)
     b = run_job(small_job(seed=2), settings, idle_timeout=60)

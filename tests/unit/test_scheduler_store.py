@@ -69,3 +69,15 @@ def test_a_jobs_wall_time_runs_from_acceptance_to_its_end_across_a_restart(tmp_p
     rows.save(ended)
     [loaded] = rows.load()
     assert SchedJob(**loaded).wall_seconds == 42.5
+
+
+def test_rows_without_sync_commit_to_the_kernel_only_and_read_back(tmp_path: Path) -> None:
+    synced, unsynced = JobRows(tmp_path / "a.sqlite"), JobRows(tmp_path / "b.sqlite", sync=False)
+    for rows in (synced, unsynced):
+        rows.open()
+        rows.save(job(3))
+    assert synced._db.execute("PRAGMA synchronous").fetchone() == (2,)  # FULL
+    assert unsynced._db.execute("PRAGMA synchronous").fetchone() == (0,)  # OFF
+    again = JobRows(tmp_path / "b.sqlite")
+    again.open()
+    assert again.load()[0]["history"] == job(3).history

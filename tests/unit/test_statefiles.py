@@ -92,3 +92,22 @@ def test_a_folder_that_cannot_be_made_is_unwritable_state(tmp_path: Path) -> Non
     with pytest.raises(StateUnwritable) as caught:
         statefiles.atomic_write(tmp_path / "checkpoints" / "a.json", b"{}")
     assert caught.value.errno in (errno.EEXIST, errno.ENOTDIR)
+
+
+def test_writes_without_sync_call_no_fsync_and_still_replace_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "state" / "rounds.json"
+    statefiles.atomic_write(target, b"old")  # synced: fsync is still there
+    synced: list[int] = []
+    monkeypatch.setattr(statefiles.os, "fsync", synced.append)
+    statefiles.atomic_write(target, b"new", sync=False)
+    save_state(tmp_path / "state" / "w.safetensors", {"w": torch.ones(3)}, sync=False)
+    spooled = tmp_path / "spool.msg"
+    spooled.write_bytes(b"update")
+    statefiles.move_into(spooled, tmp_path / "state" / "updates" / "c1.msg", sync=False)
+    assert synced == []
+    assert target.read_bytes() == b"new" and not temps(tmp_path)
+    assert torch.equal(load_state(tmp_path / "state" / "w.safetensors")[0]["w"], torch.ones(3))
+    statefiles.atomic_write(target, b"again")
+    assert len(synced) == 2  # the file, then its folder
