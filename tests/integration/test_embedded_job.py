@@ -40,7 +40,12 @@ def test_fedmq_run_skips_fsync_unless_told_and_the_weights_are_the_same_either_w
     import os
 
     real, synced = os.fsync, []
-    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
     quick = run_job(small_job(rounds=2), settings, idle_timeout=60)
     assert len(synced) == 2  # the final model alone, the user's to keep: the file and its folder
     durable_settings = Settings(state_dir=tmp_path / "durable", fsync=True)
