@@ -7,8 +7,9 @@
         are deleted, except those the scheduler asks to keep (the best round's)
 
 A job past a limit fails at once with OverLimit's message (naming the setting); nothing more is
-written for it. The disk in use is measured by walking the job's folder once per round and
-counted up as updates arrive in between.
+written for it. The disk in use is measured by walking the job's folder once, then counted up as
+files come; deletions are not counted down, so the count only overstates, and the folder is walked
+again only when the count would pass the quota (a walk per round cost 6 ms of a 50 ms round).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class DiskQuota:
 
     def need(self, size: int, what: str) -> None:
         """Raise OverLimit unless `size` more bytes fit; then count them as used."""
+        if self.used + size > self.quota:
+            self.measure()  # the count may hold files deleted since: look before refusing
         if self.used + size > self.quota:
             raise OverLimit("disk_quota", f"{what} ({size} bytes) would take the job's aggregator state to "
                             f"{self.used + size} bytes, over its quota ({self.quota}, FEDMQ_JOB_DISK_BYTES)")

@@ -346,11 +346,10 @@ class AggregatorService:
         self._prune(job, msg.keep)
 
     def _prune(self, job: AggJob, keep: list[str]) -> None:
-        """Old checkpoints go (FEDMQ_KEEP_CHECKPOINTS), and the job's disk is measured again."""
+        """Old checkpoints go (FEDMQ_KEEP_CHECKPOINTS); the disk quota looks again when it must."""
         kept = retained(job.store.rounds(), job.round, self.settings.keep_checkpoints, [job.digest, *keep])
         if gone := job.store.prune_checkpoints(kept):
             log.info("checkpoints_pruned", count=len(gone), kept=len(kept))
-        self._disk(job).measure()
 
     def _disk(self, job: AggJob) -> DiskQuota:
         if job.disk is None:

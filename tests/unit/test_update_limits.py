@@ -81,14 +81,17 @@ def test_the_disk_quota_counts_what_is_there_and_what_comes(tmp_path: Path) -> N
     assert folder_bytes(tmp_path) == 500 and folder_bytes(tmp_path / "none") == 0
     quota = DiskQuota(tmp_path, 1000)
     quota.need(400, "an update")
+    (tmp_path / "u").write_bytes(b"u" * 400)  # as the aggregator writes what it counted
     assert quota.used == 900
     message = r"an update \(101 bytes\) would take the job's aggregator state to 1001 bytes, over its quota"
     with pytest.raises(OverLimit, match=message + r" \(1000, FEDMQ_JOB_DISK_BYTES\)"):
         quota.need(101, "an update")
-    (tmp_path / "y").unlink()
-    quota.measure()
-    quota.need(600, "a checkpoint")
-    assert quota.used == 900
+    (tmp_path / "y").unlink()  # deleted: the count still holds it, the folder is walked before refusing
+    quota.need(300, "a checkpoint")
+    assert quota.used == 1000
+    (tmp_path / "z").write_bytes(b"z" * 300)
+    with pytest.raises(OverLimit, match="to 1001 bytes"):  # nothing deleted this time: the walk agrees
+        quota.need(1, "an update")
 
 
 def test_retention_keeps_the_last_rounds_and_what_the_scheduler_names() -> None:
