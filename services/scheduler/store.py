@@ -19,7 +19,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,11 @@ def _from_row(row: dict[str, Any]) -> dict[str, Any]:
 def _state_row(state: RoundState | None) -> dict[str, Any] | None:
     if state is None:
         return None
-    row = asdict(state)
+    # Field by field, not dataclasses.asdict: its deep copy of every entry was 70% of the
+    # scheduler's time per update at 100 clients a round. Every field is a plain value or is
+    # rebuilt below; `clients` is copied, as the row may outlive this state.
+    row = {f.name: getattr(state, f.name) for f in fields(state)}
+    row["clients"] = list(state.clients)
     row["deadline"] = time.time() + (state.deadline - time.monotonic())  # wall clock on disk
     row["started"] = time.time() - (time.monotonic() - state.started)
     row["reported"] = [[c, n] for c, n in state.reported.items()]
