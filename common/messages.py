@@ -129,6 +129,36 @@ class ClientUpdate(Message):
     compression: dict[str, Any] | None = None
 
 
+class GroupMember(BaseModel):
+    """One client's part of a GroupUpdate: all of its ClientUpdate but the weights."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task_id: str = Field(max_length=64)
+    client: NonNegativeInt
+    num_examples: int
+    metrics: dict[str, float] = {}
+    train_seconds: float = 0.0
+
+
+class GroupUpdate(Message):
+    """Learner → aggregator: the updates of clients trained together (train.fuse), in one message.
+
+    Member i's weights are row i of every tensor in `weights` (each [len(members), *shape]); it
+    stands for the ClientUpdate that member would have sent (services/aggregator/groups.py).
+    Only uncompressed updates without extras travel so; the rest go one by one.
+    """
+
+    type: Literal["group_update"] = "group_update"
+    round: NonNegativeInt
+    base_digest: str = Field(max_length=128)
+    members: list[GroupMember] = Field(min_length=1, max_length=100_000)
+    fetch_seconds: float = 0.0
+    fetch_bytes: NonNegativeInt = 0
+    learner: str = ""
+    weights: dict[str, Any]
+
+
 class EvalReport(Message):
     """Learner → scheduler: a client's evaluation of a global model (no tensors)."""
 
@@ -193,6 +223,14 @@ class UpdateAccepted(Message):
     fetch_seconds: float = 0.0
     fetch_bytes: NonNegativeInt = 0
     bytes: NonNegativeInt = 0  # the update's size on the wire
+
+
+class UpdatesAccepted(Message):
+    """Aggregator → scheduler: a GroupUpdate's clients, stored for the round (an UpdateAccepted each)."""
+
+    type: Literal["updates_accepted"] = "updates_accepted"
+    round: NonNegativeInt
+    updates: list[UpdateAccepted] = Field(min_length=1, max_length=100_000)
 
 
 class RoundClosed(Message):
@@ -398,6 +436,8 @@ AnyMessage = Annotated[
     | ClientFailure
     | UpdateAccepted
     | RoundClosed
+    | GroupUpdate
+    | UpdatesAccepted
     | JobFailed
     | ModelGet
     | ModelReply

@@ -10,10 +10,10 @@ own messages there:
     role        sends                                      users (settings)
     scheduler   job_create round_open round_close          FEDMQ_SCHEDULER_USERS
                 train_task eval_task ddp_launch ddp_stop
-    aggregator  update_accepted round_closed job_failed    FEDMQ_AGGREGATOR_USERS
-                ddp_stored
-    learner     client_update eval_report client_failure   FEDMQ_LEARNER_USERS
-                heartbeat model_get client_state_get
+    aggregator  update_accepted updates_accepted           FEDMQ_AGGREGATOR_USERS
+                round_closed job_failed ddp_stored
+    learner     client_update group_update eval_report     FEDMQ_LEARNER_USERS
+                client_failure heartbeat model_get client_state_get
                 ddp_exit ddp_progress ddp_model
     cli         job_submit job_cancel status_request       FEDMQ_CLI_USERS
                 model_get
@@ -34,10 +34,10 @@ from fedmq.common.errors import ValidationError
 SENDERS: dict[str, frozenset[str]] = {
     **dict.fromkeys(("job_create", "round_open", "round_close", "train_task", "eval_task", "ddp_launch",
                      "ddp_stop"), frozenset({"scheduler"})),
-    **dict.fromkeys(("update_accepted", "round_closed", "job_failed", "ddp_stored"),
+    **dict.fromkeys(("update_accepted", "updates_accepted", "round_closed", "job_failed", "ddp_stored"),
                     frozenset({"aggregator"})),
-    **dict.fromkeys(("client_update", "eval_report", "client_failure", "heartbeat", "client_state_get",
-                     "ddp_exit", "ddp_progress", "ddp_model"), frozenset({"learner"})),
+    **dict.fromkeys(("client_update", "group_update", "eval_report", "client_failure", "heartbeat",
+                     "client_state_get", "ddp_exit", "ddp_progress", "ddp_model"), frozenset({"learner"})),
     **dict.fromkeys(("job_submit", "job_cancel", "status_request"), frozenset({"cli"})),
     "model_get": frozenset({"learner", "cli"}),
 }

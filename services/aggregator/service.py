@@ -4,6 +4,7 @@
         JobCreate     create_job     ─▶ RoundClosed (round 0) ─▶ scheduler
         RoundOpen     open_round     ─▶ UpdateAccepted for updates that came before it
         ClientUpdate  accept_update  ─▶ UpdateAccepted ─▶ scheduler (or kept until its RoundOpen)
+        GroupUpdate   accept_group   ─▶ UpdatesAccepted: each member as if a ClientUpdate
         RoundClose    close_round    ─▶ RoundClosed ─▶ scheduler
         each only from its senders' broker users (common/senders.py), else rejected "sender"
     fedmq.model ─▶ serving.ModelServer ─▶ ModelReply ─▶ the learner that asked
@@ -25,6 +26,7 @@ import functools
 import json
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import structlog
 import torch
@@ -34,11 +36,13 @@ from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
 from fedmq.common.checkpoint import save_model
 from fedmq.common.errors import DecodeError, FedmqError, StateUnwritable, ValidationError
+from fedmq.common.groups import members
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientUpdate,
     DdpModel,
     DdpStored,
+    GroupUpdate,
     JobCreate,
     JobFailed,
     Message,
@@ -46,6 +50,7 @@ from fedmq.common.messages import (
     RoundClosed,
     RoundOpen,
     UpdateAccepted,
+    UpdatesAccepted,
     from_wire,
     from_wire_file,
     to_wire,
@@ -67,6 +72,7 @@ from fedmq.services.aggregator.validation import MAX_EXAMPLES, check_update
 log = structlog.get_logger("fedmq.aggregator")
 
 DDP_CHECKPOINTS = "ddp_checkpoints"  # a DDP job's stored checkpoints: {step or "final": key}
+Admitted = Literal["new", "early", "duplicate"]  # how an update that passed its checks is kept
 
 
 class AggregatorService:
@@ -129,7 +135,7 @@ class AggregatorService:
             self._over_limit(msg.job_id, exc)
         except (DecodeError, ValidationError) as exc:
             reason = exc.reason if isinstance(exc, ValidationError) else "decode"
-            if isinstance(msg, ClientUpdate):
+            if isinstance(msg, ClientUpdate | GroupUpdate):
                 self.metrics.updates_rejected.labels(reason_label(reason)).inc()
             self._reject(delivery, reason, getattr(exc, "detail", str(exc)))
             return
@@ -162,6 +168,8 @@ class AggregatorService:
                 self.open_round(msg)
             case ClientUpdate():
                 self.accept_update(msg, delivery)
+            case GroupUpdate():
+                self.accept_group(msg, delivery)
             case RoundClose():
                 self.close_round(msg)
             case DdpModel():
@@ -280,41 +288,64 @@ class AggregatorService:
         flow control can order them so), is checked and kept on disk; the RoundOpen announces it.
         """
         job = self._job(msg.job_id)
+        kind = self._admit(job, msg, delivery.user_id)
+        size = _size(delivery)
+        self._keep(job, msg, kind, delivery.body_path or delivery.body, size)
+        if kind != "early":
+            self._publish(self._accepted(msg, size if kind == "new" else 0))
+
+    def accept_group(self, msg: GroupUpdate, delivery: Delivery) -> None:
+        """A fused group's updates (common/groups.py): every member checked before any is stored, then
+        each kept as if it had come alone, and the scheduler told of them in one message."""
+        job = self._job(msg.job_id)
+        updates = members(msg)
+        kinds = [self._admit(job, update, delivery.user_id) for update in updates]
+        accepted = []
+        for update, kind in zip(updates, kinds, strict=True):
+            body = to_wire(update) if kind != "duplicate" else b""
+            self._keep(job, update, kind, body, len(body))
+            if kind != "early":
+                accepted.append(self._accepted(update, len(body)))
+        if accepted:
+            self._publish(UpdatesAccepted(job_id=msg.job_id, round=msg.round, updates=accepted))
+
+    def _admit(self, job: AggJob, msg: ClientUpdate, user_id: str | None) -> Admitted:
+        """What to do with an update: ValidationError if it is refused, else how it is kept."""
         if msg.client < job.spec.clients.total:  # a site's update comes from that site's users only
             site = job.spec.clients.site(msg.client)
-            check_site_sender(site, delivery.user_id, self.settings.users_of_sites)
+            check_site_sender(site, user_id, self.settings.users_of_sites)
         if job.open_round is None and msg.round == job.round + 1:
-            self._accept_early(job, msg, delivery)
-            return
-        if job.open_round != msg.round:
-            raise ValidationError("stale_round", f"round {msg.round} is not open")
-        if msg.client not in job.expected:
-            raise ValidationError("unknown_client", f"client {msg.client} was not sampled")
-        if job.store.has_update(msg.round, msg.client):
-            # Redelivered after it was stored: the scheduler may not have heard, so say it again
-            # (it counts a client once however often it hears).
-            log.info("update_duplicate")
-            self._accepted(msg)
-            return
+            if msg.client >= job.spec.clients.total:
+                raise ValidationError("unknown_client", f"client {msg.client} of {job.spec.clients.total}")
+            kind: Admitted = "early"
+        else:
+            if job.open_round != msg.round:
+                raise ValidationError("stale_round", f"round {msg.round} is not open")
+            if msg.client not in job.expected:
+                raise ValidationError("unknown_client", f"client {msg.client} was not sampled")
+            if job.store.has_update(msg.round, msg.client):
+                # Redelivered after it was stored: the scheduler may not have heard, so say it again
+                # (it counts a client once however often it hears).
+                return "duplicate"
+            kind = "new"
         if msg.base_digest != job.digest:
             raise ValidationError("stale_model", "trained on another round's weights")
         self._check(job, msg)
-        size = _size(delivery)
-        self._disk(job).need(size, f"the update of client {msg.client}")
-        job.store.put_update(msg.round, msg.client, delivery.body_path or delivery.body)
-        self._accepted(msg, size)
-        self.metrics.updates_accepted.inc()
-        log.info("update_accepted", examples=msg.num_examples, learner=msg.learner)
+        return kind
 
-    def _accept_early(self, job: AggJob, msg: ClientUpdate, delivery: Delivery) -> None:
-        if msg.client >= job.spec.clients.total:
-            raise ValidationError("unknown_client", f"client {msg.client} of {job.spec.clients.total}")
-        if msg.base_digest != job.digest:
-            raise ValidationError("stale_model", "trained on another round's weights")
-        self._check(job, msg)
-        self._disk(job).need(_size(delivery), f"the update of client {msg.client}")
-        job.store.put_early(msg.round, msg.client, delivery.body_path or delivery.body)
-        log.info("update_early", examples=msg.num_examples, learner=msg.learner)
+    def _keep(self, job: AggJob, msg: ClientUpdate, kind: Admitted, body: bytes | Path, size: int) -> None:
+        """Store an admitted update's body: in its round's updates, or kept for its RoundOpen."""
+        if kind == "duplicate":
+            log.info("update_duplicate", client=msg.client)
+            return
+        self._disk(job).need(size, f"the update of client {msg.client}")
+        if kind == "early":
+            job.store.put_early(msg.round, msg.client, body)
+            log.info("update_early", client=msg.client, examples=msg.num_examples, learner=msg.learner)
+            return
+        job.store.put_update(msg.round, msg.client, body)
+        self.metrics.updates_accepted.inc()
+        log.info("update_accepted", client=msg.client, examples=msg.num_examples, learner=msg.learner)
 
     def _check(self, job: AggJob, msg: ClientUpdate) -> None:
         """The update's checks (validation.check_update) with the job's bounds on its count and norm."""
@@ -358,12 +389,12 @@ class AggregatorService:
 
     # -- replies --------------------------------------------------------------
 
-    def _accepted(self, msg: ClientUpdate, size: int = 0) -> None:
-        self._publish(UpdateAccepted(
+    def _accepted(self, msg: ClientUpdate, size: int) -> UpdateAccepted:
+        return UpdateAccepted(
             job_id=msg.job_id, round=msg.round, client=msg.client, num_examples=msg.num_examples,
             metrics=msg.metrics, train_seconds=msg.train_seconds, fetch_seconds=msg.fetch_seconds,
             fetch_bytes=msg.fetch_bytes, bytes=size,
-        ))
+        )
 
     def _report(self, closed: RoundClosed) -> None:
         """Tell the scheduler the round is closed (its record is on disk already)."""

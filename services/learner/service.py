@@ -1,8 +1,9 @@
 """Learner: take a task, train off the bus thread, publish the update, then ack.
 
 With FEDMQ_FUSE_CLIENTS=G > 1 it takes up to G tasks at once (its prefetch), and trains those
-of one job with `train.fuse`, one round and one global model together (work.train_group); each
-still gets its own update, publish and ack, so nothing downstream sees the difference.
+of one job with `train.fuse`, one round and one global model together (work.train_group). Their
+updates travel as one GroupUpdate (common/groups.py), published before any of the tasks is acked;
+the aggregator keeps each member's update as if it had come alone.
 
 A learner with FEDMQ_SITES takes tasks from those sites' queues only (the scheduler routes a
 site's tasks there); otherwise it takes logical clients' tasks from the shared queue.
@@ -34,6 +35,7 @@ from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
 from fedmq.common.errors import BrokerUnavailable, DecodeError, FedmqError, ValidationError
+from fedmq.common.groups import group_of, groupable
 from fedmq.common.messages import (
     ClientFailure,
     ClientStateGet,
@@ -67,6 +69,8 @@ R = TypeVar("R")
 
 GATHER_S = 0.02  # how long a fused group waits for another task of a round's burst to arrive
 FETCH_ATTEMPTS = 5  # model fetches lost to the broker before the task goes back to the queue
+# A fused group's updates travel as one message up to this many bytes of weights (else one by one).
+GROUP_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class LearnerService:
@@ -272,12 +276,35 @@ class LearnerService:
                 return
             except Exception as exc:  # the group's own work failed: each task says so
                 outcomes = [exc] * len(group)
+        together = [(update, delivery) for update, (_, delivery) in zip(outcomes, group, strict=True)
+                    if isinstance(update, ClientUpdate) and groupable(update)]
+        if len(together) > 1 and _stacked_bytes([u for u, _ in together]) <= GROUP_MESSAGE_BYTES:
+            self._send_group(together)
+        else:
+            together = []
+        sent = {id(delivery) for _, delivery in together}
         for (task, delivery), outcome in zip(group, outcomes, strict=True):
+            if id(delivery) in sent:
+                continue
             with structlog.contextvars.bound_contextvars(job=task.job_id, round=task.round,
                                                          client=task.client):
                 reply = ((topology.AGGREGATOR, to_wire(outcome)) if isinstance(outcome, ClientUpdate)
                          else self._failed(task, outcome))
                 self._send(delivery, reply)
+
+    def _send_group(self, updates: list[tuple[ClientUpdate, Delivery]]) -> None:
+        """The group's updates in one message (common/groups.py); its tasks acked once it is confirmed."""
+        if self._stopping:
+            return  # the tasks go back to the queue with our connection
+        try:
+            self.bus.publish(topology.AGGREGATOR, to_wire(group_of([update for update, _ in updates])))
+        except Exception as exc:
+            log.warning("publish_failed", error=str(exc)[:300], count=len(updates))
+            for _, delivery in updates:
+                self._settle(delivery, requeue=True)
+            return
+        for _, delivery in updates:
+            self._settle(delivery)
 
     def _failed(self, task: Task, exc: Exception) -> tuple[str, bytes]:
         """The ClientFailure a task's error makes: the user's code, a task fedmq refused, a crash."""
@@ -365,6 +392,10 @@ class LearnerService:
         if reply.error or reply.state is None:
             raise FedmqError(f"client {client}'s state for round {server_round} unavailable: {reply.error}")
         return dict(reply.state)
+
+
+def _stacked_bytes(updates: list[ClientUpdate]) -> int:
+    return sum(t.numel() * t.element_size() for u in updates for t in u.weights.values())
 
 
 def _task(msg: Message) -> Task:

@@ -45,6 +45,7 @@ from fedmq.common.messages import (
     RoundClosed,
     StatusRequest,
     UpdateAccepted,
+    UpdatesAccepted,
     from_wire,
     to_wire,
 )
@@ -153,6 +154,14 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         self.retry.succeeded()
         delivery.ack()
 
+    def _count_update(self, job: SchedJob, msg: UpdateAccepted) -> bool:
+        """Count a client's stored update in its round, once; whether it was new."""
+        state = job.state
+        if state is None or state.round != msg.round or not state.record_update(msg.client, msg.num_examples):
+            return False
+        add_sync(job.sync, msg)
+        return True
+
     def _gauge_fleet(self) -> None:
         self.metrics.learners_alive.set(self.registry.alive_count)
         self.metrics.learners_busy.set(self.registry.busy_count)
@@ -196,10 +205,11 @@ class SchedulerService(EvaluationLoop, DdpLoop):
             case RoundClosed():
                 self.round_closed(job, msg)
             case UpdateAccepted():
-                if job.state and job.state.round == msg.round and job.state.record_update(
-                    msg.client, msg.num_examples
-                ):
-                    add_sync(job.sync, msg)
+                if self._count_update(job, msg):
+                    self._advance(job)
+            case UpdatesAccepted():
+                recorded = [self._count_update(job, update) for update in msg.updates]
+                if any(recorded):
                     self._advance(job)
             case EvalReport():
                 self.eval_report(job, msg)

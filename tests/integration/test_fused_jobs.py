@@ -8,9 +8,15 @@ weights stay within float error of plain sequential FedAvg.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from fedmq.common.bus import topology
+from fedmq.common.bus.base import Bus
 from fedmq.common.checkpoint import load_state
+from fedmq.common.groups import group_of, members
+from fedmq.common.messages import GroupUpdate, from_wire, to_wire
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
 from tests.conftest import assert_bit_identical, assert_matches_reference, small_job
@@ -40,3 +46,46 @@ def test_a_tiny_memory_budget_shrinks_the_groups_and_the_job_still_completes(tmp
     assert tiny["fused_groups"] == [1] * 18, "each client alone: no two fit the budget"
     one = run_job(FUSED, Settings(state_dir=tmp_path / "one"), idle_timeout=60)
     assert_bit_identical(load_state(tiny["model_path"])[0], load_state(one["model_path"])[0])
+
+
+def regrouping(connect: Callable[[str], Bus]) -> Callable[[str], Bus]:
+    """Learners' buses that send each fused group's updates four ways: first a forged copy whose
+    members moved their weights and whose last member is NaN (refused whole, so none of it may be
+    stored), then the group's first half alone, then the whole group twice (half, then all, stored
+    already: nothing may change)."""
+
+    def make(name: str) -> Bus:
+        bus = connect(name)
+        if not name.startswith("learner"):
+            return bus
+        publish = bus.publish
+
+        def publish_regrouped(queue: str, body: bytes, **kwargs: Any) -> None:
+            msg = from_wire(body) if queue == topology.AGGREGATOR else None
+            if isinstance(msg, GroupUpdate):
+                updates = members(msg)
+                forged = [u.model_copy(update={"weights": {k: v + 1 for k, v in u.weights.items()}})
+                          for u in updates]
+                nan = {k: v * float("nan") for k, v in forged[-1].weights.items()}
+                forged[-1] = forged[-1].model_copy(update={"weights": nan})
+                publish(queue, to_wire(group_of(forged)))
+                publish(queue, to_wire(group_of(updates[: max(1, len(updates) // 2)])))
+                publish(queue, body, **kwargs)
+            publish(queue, body, **kwargs)
+
+        bus.publish = publish_regrouped  # type: ignore[method-assign]
+        return bus
+
+    return make
+
+
+def test_a_group_is_checked_whole_before_any_member_is_stored_and_a_stored_member_changes_nothing(
+    transport: Transport,
+) -> None:
+    alone = run_job(FUSED, Settings(state_dir=transport.settings.state_dir / "alone"), idle_timeout=60)
+    result = run_job(FUSED, transport.settings, connect=regrouping(transport.connect), idle_timeout=60)
+    assert result["status"] == "completed", result.get("reason")
+    assert result["fused_groups"] == [6, 6, 6]
+    assert_bit_identical(load_state(result["model_path"])[0], load_state(alone["model_path"])[0])
+    reasons = [reason.split(":")[0] for reason, _ in transport.dead()]
+    assert reasons == ["non_finite"] * 3, "each round's forged group refused whole"

@@ -34,6 +34,8 @@ from fedmq.common.messages import (
     EvalReport,
     EvalTask,
     FailedClient,
+    GroupMember,
+    GroupUpdate,
     Heartbeat,
     JobCancel,
     JobCreate,
@@ -50,6 +52,7 @@ from fedmq.common.messages import (
     StatusRequest,
     TrainTask,
     UpdateAccepted,
+    UpdatesAccepted,
     UserError,
     expect,
     from_wire,
@@ -110,6 +113,16 @@ SAMPLES: dict[str, Message] = {
     "update_accepted": UpdateAccepted(
         job_id="j1", round=3, client=4, num_examples=120, metrics={"loss": 0.5}
     ),
+    "group_update": GroupUpdate(
+        job_id="j1", round=3, base_digest="ab" * 32, learner="learner-1", fetch_bytes=10,
+        members=[GroupMember(task_id="j1:3:4", client=4, num_examples=120, metrics={"loss": 0.5}),
+                 GroupMember(task_id="j1:3:7", client=7, num_examples=3, train_seconds=0.25)],
+        weights={name: torch.stack([t, t]) for name, t in weights().items()},
+    ),
+    "updates_accepted": UpdatesAccepted(job_id="j1", round=3, updates=[
+        UpdateAccepted(job_id="j1", round=3, client=4, num_examples=120, metrics={"loss": 0.5}),
+        UpdateAccepted(job_id="j1", round=3, client=7, num_examples=3, bytes=1000),
+    ]),
     "round_closed": RoundClosed(
         job_id="j1",
         round=3,
@@ -197,7 +210,7 @@ def test_every_message_type_round_trips_through_the_wire(msg: Message) -> None:
     assert_same_message(from_wire(data), msg)
 
 
-WITH_TENSORS = {"client_update", "model_reply", "client_state_reply", "ddp_model"}
+WITH_TENSORS = {"client_update", "group_update", "model_reply", "client_state_reply", "ddp_model"}
 
 
 @pytest.mark.parametrize("kind", sorted(set(SAMPLES) - WITH_TENSORS))
