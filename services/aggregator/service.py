@@ -277,7 +277,7 @@ class AggregatorService:
                 num_examples=int(fields["num_examples"]), metrics=dict(fields.get("metrics", {})),
                 train_seconds=float(fields.get("train_seconds", 0.0)),
                 fetch_seconds=float(fields.get("fetch_seconds", 0.0)),
-                fetch_bytes=int(fields.get("fetch_bytes", 0)), bytes=Path(stored.path).stat().st_size,
+                fetch_bytes=int(fields.get("fetch_bytes", 0)), bytes=job.store.update_size(msg.round, client),
             ))
         log.info("round_opened", clients=len(msg.clients), stored=len(job.store.stored_clients(msg.round)))
 
@@ -300,14 +300,21 @@ class AggregatorService:
         job = self._job(msg.job_id)
         updates = members(msg)
         kinds = [self._admit(job, update, delivery.user_id) for update in updates]
-        accepted = []
-        for update, kind in zip(updates, kinds, strict=True):
-            body = to_wire(update) if kind != "duplicate" else b""
-            self._keep(job, update, kind, body, len(body))
-            if kind != "early":
-                accepted.append(self._accepted(update, len(body)))
-        if accepted:
-            self._publish(UpdatesAccepted(job_id=msg.job_id, round=msg.round, updates=accepted))
+        if "early" in kinds:  # before its RoundOpen (rare): each member kept as a single update
+            for update in updates:
+                body = to_wire(update)
+                self._keep(job, update, "early", body, len(body))
+            return
+        size = _size(delivery)
+        if "new" in kinds:
+            self._disk(job).need(size, f"the updates of {kinds.count('new')} clients")
+        stored = set(job.store.put_group(msg.round, delivery.body_path or delivery.body,
+                                         [update.client for update in updates]))
+        self.metrics.updates_accepted.inc(len(stored))
+        log.info("group_accepted", clients=len(updates), stored=len(stored), learner=msg.learner)
+        share = size // len(updates)
+        accepted = [self._accepted(u, share if u.client in stored else 0) for u in updates]
+        self._publish(UpdatesAccepted(job_id=msg.job_id, round=msg.round, updates=accepted))
 
     def _admit(self, job: AggJob, msg: ClientUpdate, user_id: str | None) -> Admitted:
         """What to do with an update: ValidationError if it is refused, else how it is kept."""

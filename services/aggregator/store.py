@@ -7,6 +7,7 @@
         checkpoints/<key>.safetensors  key = <weights digest>-<state digest>: the global weights
                                        and the strategy's state (older jobs: <weights digest>)
         updates/r<round>/c<client>.msg raw ClientUpdate bodies, until the round closes
+        updates/r<round>/g<seq>.msg    raw GroupUpdate bodies: a fused group's updates (grouped.py)
         clients/c<client>/r<round>.safetensors   the strategy's per-client state (common/strategy/clients)
         residuals/c<client>/r<round>.safetensors topk's per-client residual as it travelled, the same way
         early/r<round>/c<client>.msg   updates that came before their round's RoundOpen
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,12 @@ import torch
 
 from fedmq.common import codec, statefiles
 from fedmq.common.checkpoint import load_state, save_state
+from fedmq.services.aggregator.grouped import GROUP_PREFIX, GroupFile, GroupRow, group_files
 
 DIGEST = re.compile(r"[0-9a-f]{64}")  # codec.state_digest's form: what a learner may ask for
+# Group files whose tensors a round's close keeps read at once: members of a group are folded in
+# client order, interleaved with other groups' (each at most a learner's GROUP_MESSAGE_BYTES).
+GROUP_FILES_READ = 8
 
 
 def weights_digest(key: str) -> str:
@@ -51,6 +57,9 @@ class JobStore:
         self.root = root / job_id
         self.job_id = job_id
         self.sync = sync
+        self._groups: dict[int, dict[int, tuple[Path, int]]] = {}  # round -> grouped updates' index
+        self._group_seq: dict[int, int] = {}  # round -> its last group file's number
+        self._group_files: OrderedDict[Path, GroupFile] = OrderedDict()  # read lately (their tensors)
 
     # -- spec and round index -------------------------------------------------
 
@@ -134,30 +143,76 @@ class JobStore:
 
     # -- updates --------------------------------------------------------------
 
+    def _updates(self, server_round: int) -> Path:
+        return self.root / "updates" / f"r{server_round}"
+
     def _update_path(self, server_round: int, client: int) -> Path:
-        return self.root / "updates" / f"r{server_round}" / f"c{client}.msg"
+        return self._updates(server_round) / f"c{client}.msg"
 
     def has_update(self, server_round: int, client: int) -> bool:
-        return self._update_path(server_round, client).exists()
+        return client in self._grouped(server_round) or self._update_path(server_round, client).exists()
 
     def put_update(self, server_round: int, client: int, body: bytes | Path) -> None:
         """Keep an update's body (moving it if it is a file); once it exists it is stored."""
         _put(self._update_path(server_round, client), body, self.sync)  # a spool file was fsynced on receipt
 
-    def read_update(self, server_round: int, client: int) -> codec.TensorFile:
+    def put_group(self, server_round: int, body: bytes | Path, members: list[int]) -> list[int]:
+        """Keep a GroupUpdate's body once (grouped.py); the members not stored before become stored.
+        Returns those members; nothing is written when there are none."""
+        index = self._grouped(server_round)
+        new = [c for c in members if c not in index and not self._update_path(server_round, c).exists()]
+        if new:
+            seq = self._group_seq.get(server_round, 0) + 1
+            path = self._updates(server_round) / f"{GROUP_PREFIX}{seq}.msg"
+            _put(path, body, self.sync)
+            self._group_seq[server_round] = seq
+            index.update({client: (path, row) for row, client in enumerate(members) if client in new})
+        return new
+
+    def read_update(self, server_round: int, client: int) -> codec.TensorFile | GroupRow:
         """A stored update: its other fields decoded, its weights read from disk only when accessed."""
-        return codec.index_tensors(self._update_path(server_round, client), lazy=("extras", "delta"))
+        grouped = self._grouped(server_round).get(client)
+        if grouped is None:
+            return codec.index_tensors(self._update_path(server_round, client), lazy=("extras", "delta"))
+        path, row = grouped
+        if path not in self._group_files:
+            self._group_files[path] = GroupFile(path)
+            while len(self._group_files) > GROUP_FILES_READ:
+                self._group_files.popitem(last=False)
+        return self._group_files[path].row(row)
 
     def update_size(self, server_round: int, client: int) -> int:
-        """A stored update's size: its body as received."""
-        return self._update_path(server_round, client).stat().st_size
+        """A stored update's size: its body as received (a group's, shared by its members)."""
+        grouped = self._grouped(server_round).get(client)
+        if grouped is None:
+            return self._update_path(server_round, client).stat().st_size
+        path, _ = grouped
+        return path.stat().st_size // sum(1 for p, _ in self._grouped(server_round).values() if p == path)
 
     def drop_updates(self, server_round: int) -> None:
-        shutil.rmtree(self.root / "updates" / f"r{server_round}", ignore_errors=True)
+        shutil.rmtree(self._updates(server_round), ignore_errors=True)
+        self._groups.pop(server_round, None)
+        self._group_seq.pop(server_round, None)
+        self._group_files.clear()
 
     def stored_clients(self, server_round: int) -> list[int]:
         """The clients whose update for the round is stored, in order."""
-        return _clients(self.root / "updates" / f"r{server_round}")
+        return sorted(set(_clients(self._updates(server_round))) | set(self._grouped(server_round)))
+
+    def _grouped(self, server_round: int) -> dict[int, tuple[Path, int]]:
+        """client -> (group file, row) of the round's grouped updates: kept as groups are stored,
+        built from the folder on first use after a restart (grouped.py's rule)."""
+        index = self._groups.get(server_round)
+        if index is None:
+            index, singles = {}, set(_clients(self._updates(server_round)))
+            for path in group_files(self._updates(server_round)):
+                for row, member in enumerate(GroupFile(path).members):
+                    client = int(member["client"])
+                    if client not in index and client not in singles:
+                        index[client] = (path, row)
+                self._group_seq[server_round] = int(path.stem[1:])
+            self._groups[server_round] = index
+        return index
 
     # -- updates ahead of their round ---------------------------------------------
 

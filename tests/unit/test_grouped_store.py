@@ -1,0 +1,41 @@
+"""Fused groups' updates kept as one file each: read member by member, the same after a restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fedmq.common.groups import group_of
+from fedmq.common.messages import to_wire
+from fedmq.services.aggregator.store import JobStore
+from tests.unit.test_groups import update
+
+
+def test_a_stored_group_gives_each_new_member_its_row_and_a_restart_reads_the_same(tmp_path: Path) -> None:
+    store = JobStore(tmp_path, "job")
+    store.put_update(3, 4, to_wire(update(4)))  # a single update first: it wins over a group's copy
+    first = [update(c) for c in (2, 4, 6)]
+    assert store.put_group(3, to_wire(group_of(first)), [2, 4, 6]) == [2, 6]
+    second = [update(c) for c in (6, 8)]  # 6 again: trained again after a crash, in another group
+    assert store.put_group(3, to_wire(group_of(second)), [6, 8]) == [8]
+    assert store.put_group(3, to_wire(group_of(second)), [6, 8]) == []  # redelivered: nothing written
+    assert len(list((tmp_path / "job" / "updates" / "r3").glob("g*.msg"))) == 2
+
+    for reader in (store, JobStore(tmp_path, "job")):  # the same store, and one after a restart
+        assert reader.stored_clients(3) == [2, 4, 6, 8]
+        assert all(reader.has_update(3, c) for c in (2, 4, 6, 8)) and not reader.has_update(3, 5)
+        for client in (2, 4, 6, 8):
+            stored, sent = reader.read_update(3, client), update(client)
+            assert int(stored.fields["num_examples"]) == sent.num_examples
+            assert stored.fields["metrics"] == sent.metrics and stored.maps.get("extras", {}) == {}
+            assert list(stored) == list(sent.weights)
+            for name, tensor in sent.weights.items():
+                assert stored.meta(name) == (tensor.dtype, tensor.shape)
+                assert torch.equal(stored[name], tensor)
+        assert reader.read_update(3, 6).path.endswith("g1.msg")  # its first group's row
+        sizes = {f"g{n}": (tmp_path / "job" / "updates" / "r3" / f"g{n}.msg").stat().st_size for n in (1, 2)}
+        assert reader.update_size(3, 2) == reader.update_size(3, 6) == sizes["g1"] // 2  # its stored members'
+        assert reader.update_size(3, 8) == sizes["g2"]
+    store.drop_updates(3)
+    assert store.stored_clients(3) == [] and not store.has_update(3, 2)
