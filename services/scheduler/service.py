@@ -154,13 +154,12 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         self.retry.succeeded()
         delivery.ack()
 
-    def _count_update(self, job: SchedJob, msg: UpdateAccepted) -> bool:
-        """Count a client's stored update in its round, once; whether it was new."""
+    def _count_update(self, job: SchedJob, msg: UpdateAccepted) -> None:
+        """Count a client's stored update in its round, once."""
         state = job.state
-        if state is None or state.round != msg.round or not state.record_update(msg.client, msg.num_examples):
-            return False
-        add_sync(job.sync, msg)
-        return True
+        if state is not None and state.round == msg.round and state.record_update(msg.client,
+                                                                                   msg.num_examples):
+            add_sync(job.sync, msg)
 
     def _gauge_fleet(self) -> None:
         self.metrics.learners_alive.set(self.registry.alive_count)
@@ -204,12 +203,12 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         match msg:
             case RoundClosed():
                 self.round_closed(job, msg)
-            case UpdateAccepted():
-                if self._count_update(job, msg):
-                    self._advance(job)
-            case UpdatesAccepted():
-                recorded = [self._count_update(job, update) for update in msg.updates]
-                if any(recorded):
+            case UpdateAccepted() | UpdatesAccepted():
+                for update in msg.updates if isinstance(msg, UpdatesAccepted) else [msg]:
+                    self._count_update(job, update)
+                # Even when every client was counted already: this message may be one redelivered
+                # because the RoundClose it led to was not confirmed (the broker closed the connection).
+                if job.state is not None and job.state.round == msg.round and not job.state.closing:
                     self._advance(job)
             case EvalReport():
                 self.eval_report(job, msg)

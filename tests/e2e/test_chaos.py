@@ -80,7 +80,9 @@ def test_the_example_job_survives_seeded_chaos(tmp_path: Path) -> None:
         dead = dead_letters(c.url)
     redelivered = sum(text.count('"task_redelivered"') for text in logs.values())
     fused = sum(text.count('"tasks_fused"') for text in logs.values())
+    groups = [json.loads(line) for line in logs["aggregator"].splitlines() if '"group_accepted"' in line]
     duplicates = logs["aggregator"].count('"update_duplicate"')
+    duplicates += sum(g["clients"] - g["stored"] for g in groups)
     print(
         f"\nchaos seed={SEED}: survived {len(done)} disruptions ({', '.join(done)}); "
         f"tasks redelivered={redelivered}, duplicate updates ignored={duplicates}, fused groups={fused}, "

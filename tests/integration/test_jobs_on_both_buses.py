@@ -10,7 +10,7 @@ import pytest
 
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
-from fedmq.common.messages import JobEvent, RoundOpen, from_wire
+from fedmq.common.messages import JobEvent, RoundClose, RoundOpen, from_wire
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
 from tests.conftest import EmbeddedRuns, assert_bit_identical, assert_matches_reference, shard_size, small_job
@@ -147,6 +147,36 @@ def test_a_round_whose_next_round_failed_to_open_goes_on_when_its_message_comes_
             return (LosesTheBrokerOnce if name == "scheduler" else RabbitBus)(settings, name)
 
         result = run_job(spec, settings, connect=connect, idle_timeout=60)
+    assert failed == [2] and result["status"] == "completed"
+    assert [h["round"] for h in result["history"]] == [0, 1, 2, 3]
+    assert_bit_identical(load_state(result["model_path"])[0], embedded_runs.weights(spec))
+
+
+@pytest.mark.rabbitmq
+def test_a_round_whose_close_was_not_confirmed_closes_when_its_last_update_comes_again(
+    tmp_path: Path, embedded_runs: EmbeddedRuns
+) -> None:
+    # Found by the chaos test: every client of round 2 was counted, then the broker closed the
+    # connection as the RoundClose went out; the update that came again was taken for a duplicate
+    # and the round waited for its deadline (here 600 s: the job would not finish in time).
+    spec = small_job(rounds=3, round_timeout_s=600)
+    failed: list[int] = []
+
+    class LosesTheBrokerOnce(RabbitBus):
+        def publish(self, queue: str, body: bytes, **kwargs: Any) -> None:
+            msg = from_wire(body)
+            if isinstance(msg, RoundClose) and msg.round == 2 and not failed:
+                failed.append(msg.round)
+                raise pika.exceptions.StreamLostError("the broker closed the connection")
+            super().publish(queue, body, **kwargs)
+
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, log_format="json")
+
+        def connect(name: str) -> RabbitBus:
+            return (LosesTheBrokerOnce if name == "scheduler" else RabbitBus)(settings, name)
+
+        result = run_job(spec, settings, connect=connect, idle_timeout=30)
     assert failed == [2] and result["status"] == "completed"
     assert [h["round"] for h in result["history"]] == [0, 1, 2, 3]
     assert_bit_identical(load_state(result["model_path"])[0], embedded_runs.weights(spec))
