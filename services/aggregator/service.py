@@ -385,6 +385,8 @@ class AggregatorService:
 
     def _prune(self, job: AggJob, keep: list[str]) -> None:
         """Old checkpoints go (FEDMQ_KEEP_CHECKPOINTS); the disk quota looks again when it must."""
+        if self.settings.keep_checkpoints == 0:
+            return  # every round's is kept: no need to list them
         kept = retained(job.store.rounds(), job.round, self.settings.keep_checkpoints, [job.digest, *keep])
         if gone := job.store.prune_checkpoints(kept):
             log.info("checkpoints_pruned", count=len(gone), kept=len(kept))

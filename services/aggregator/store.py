@@ -57,6 +57,7 @@ class JobStore:
         self.root = root / job_id
         self.job_id = job_id
         self.sync = sync
+        self._rounds: dict[int, str] | None = None  # rounds.json, as this store last read or wrote it
         self._groups: dict[int, dict[int, tuple[Path, int]]] = {}  # round -> grouped updates' index
         self._group_seq: dict[int, int] = {}  # round -> its last group file's number
         self._group_files: OrderedDict[Path, GroupFile] = OrderedDict()  # read lately (their tensors)
@@ -67,10 +68,12 @@ class JobStore:
         statefiles.atomic_write(self.root / "spec.json", spec_json.encode(), self.sync)
 
     def rounds(self) -> dict[int, str]:
-        path = self.root / "rounds.json"
-        if not path.exists():
-            return {}
-        return {int(k): v for k, v in json.loads(path.read_text()).items()}
+        """round -> checkpoint key of every committed round (read once, then kept as committed)."""
+        if self._rounds is None:
+            path = self.root / "rounds.json"
+            stored = json.loads(path.read_text()) if path.exists() else {}
+            self._rounds = {int(k): v for k, v in stored.items()}
+        return dict(self._rounds)
 
     def load_spec(self) -> str | None:
         path = self.root / "spec.json"
@@ -104,6 +107,7 @@ class JobStore:
         rounds = self.rounds() | {server_round: key}
         body = json.dumps(rounds, sort_keys=True).encode()
         statefiles.atomic_write(self.root / "rounds.json", body, self.sync)
+        self._rounds = rounds
 
     def load_checkpoint(self, key: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(weights, strategy state) of the checkpoint `key` (a rounds.json value)."""
