@@ -40,7 +40,7 @@ def child_fedmq(job: str, overrides: dict[str, Any]) -> dict[str, Any]:
     rounds = [h["seconds"] for h in result["history"] if h["round"] > 0]
     return {
         "status": result["status"],
-        "final_accuracy": result.get("final_accuracy"),
+        "final_accuracy": result.get("final", {}).get("server.accuracy"),
         "wall_s": result["wall_seconds"],
         "round_s_median": statistics.median(rounds),
         "round_s_min": min(rounds),
