@@ -145,7 +145,7 @@ class GroupUpdate(Message):
     """Learner → aggregator: the updates of clients trained together (train.fuse), in one message.
 
     Member i's weights are row i of every tensor in `weights` (each [len(members), *shape]); it
-    stands for the ClientUpdate that member would have sent (services/aggregator/groups.py).
+    stands for the ClientUpdate that member would have sent (common/groups.py).
     Only uncompressed updates without extras travel so; the rest go one by one.
     """
 

@@ -178,21 +178,26 @@ class Metrics:
 
     def dead_letter_counts(self) -> dict[str, float]:
         """Non-zero dead-letter counts by reason (for tests and summaries)."""
-        return {
-            s.labels["reason"]: s.value
-            for family in self.messages_rejected.collect() for s in family.samples
-            if s.name.endswith("_total") and s.value
-        }
+        return _nonzero(self.messages_rejected, "reason")
+
+    def rejected_update_counts(self) -> dict[str, float]:
+        """Non-zero counts of client updates refused, by reason (for tests and summaries)."""
+        return _nonzero(self.updates_rejected, "reason")
 
     def refused_counts(self) -> dict[str, float]:
         """Non-zero counts of jobs refused or failed by limit (for tests and summaries)."""
-        return {
-            s.labels["limit"]: s.value
-            for family in self.jobs_refused.collect() for s in family.samples
-            if s.name.endswith("_total") and s.value
-        }
+        return _nonzero(self.jobs_refused, "limit")
 
     def serve(self, port: int) -> None:
         """Expose /metrics on `port` (0: don't)."""
         if port:
             start_http_server(port, registry=self.registry)
+
+
+def _nonzero(counter: Counter, label: str) -> dict[str, float]:
+    """A labelled counter's non-zero totals by that label."""
+    return {
+        s.labels[label]: s.value
+        for family in counter.collect() for s in family.samples
+        if s.name.endswith("_total") and s.value
+    }

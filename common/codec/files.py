@@ -13,6 +13,7 @@ tensor per client at a time, never a whole update::
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
@@ -20,7 +21,14 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple
 import msgpack
 
 from fedmq.common.codec.pack import DEFAULT_MAX_BYTES, FIXEXT, UNPACK_ERRORS, unpack_options, unpackb
-from fedmq.common.codec.tensors import TENSOR_EXT, header_end, tensor_from_payload, tensor_header
+from fedmq.common.codec.tensors import (
+    TENSOR_EXT,
+    data_offset,
+    header_end,
+    row_from_data,
+    tensor_from_payload,
+    tensor_header,
+)
 from fedmq.common.errors import DecodeError
 
 if TYPE_CHECKING:
@@ -126,6 +134,17 @@ class TensorFile(Mapping[str, "torch.Tensor"]):
         if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
             raise DecodeError(f"tensor {name!r} in {self._path!r} changed since it was indexed")
         return tensor
+
+    def row(self, name: str, index: int) -> torch.Tensor:
+        """Row `index` (along the first dimension) of a tensor, read alone: a fresh tensor, as any
+        access gives; a fused group's member is one row of each of its stacked tensors."""
+        entry = self._entries[name]
+        if not entry.shape or not 0 <= index < entry.shape[0]:
+            raise IndexError(f"tensor {name!r} {list(entry.shape)} has no row {index}")
+        shape = entry.shape[1:]
+        size = math.prod(shape) * entry.dtype.itemsize
+        start = entry.offset + data_offset(len(entry.shape)) + index * size
+        return row_from_data(self._read(start, size), entry.dtype, shape)
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries  # Mapping's default would read the tensor

@@ -91,6 +91,21 @@ def tensor_from_payload(payload: bytes | bytearray) -> torch.Tensor:
         raise DecodeError(f"tensor {dtype} {list(shape)} rejected by torch: {exc}") from exc
 
 
+def row_from_data(
+    data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor of `shape` over the raw little-endian data of one row of a stored tensor (no header)."""
+    try:
+        return _view_data(data, 0, dtype, shape, math.prod(shape))
+    except (RuntimeError, ValueError, OverflowError) as exc:
+        raise DecodeError(f"tensor {dtype} {list(shape)} rejected by torch: {exc}") from exc
+
+
+def data_offset(ndim: int) -> int:
+    """Where a tensor payload's data starts: after its header (see tensor_parts)."""
+    return _header_size(ndim)
+
+
 def header_end(fixed: bytes | bytearray, size: int) -> int:
     """Offset of the data in a size-byte tensor payload, from its first 8 bytes (fewer if size < 8)."""
     if size < 8:

@@ -55,7 +55,10 @@ class Sgd:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
-            p.grad = None
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
 
     def step(self) -> None:
         with torch.no_grad():

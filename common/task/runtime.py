@@ -216,13 +216,15 @@ def _diverged(names: list[str]) -> FloatingPointError:
 
 
 def _seed(seed: int, device: torch.device | None = None) -> None:
-    """Seed the CPU generator and `device`'s, as torch.manual_seed would those two. Not
-    torch.manual_seed itself: with CUDA built in but not started, each call records the caller's
-    stack for a lazy CUDA seeding (measured: a fifth of a one-step client's training)."""
+    """Seed the CPU generator and `device`'s (every started GPU's without one), as torch.manual_seed
+    would. Not torch.manual_seed itself: with CUDA built in but not started, each call records the
+    caller's stack for a lazy CUDA seeding (measured: a fifth of a one-step client's training)."""
     torch.random.default_generator.manual_seed(seed)
     if device is not None and device.type == "cuda":
         with torch.cuda.device(device.index or 0):
             torch.cuda.manual_seed(seed)
+    elif device is None and torch.cuda.is_initialized():  # building or loading may draw on any GPU
+        torch.cuda.manual_seed_all(seed)
 
 
 def _cuda(device: torch.device) -> list[int]:

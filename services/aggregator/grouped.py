@@ -6,15 +6,16 @@
 A client's update is the first stored that holds it: its single file, else the group file of the
 lowest sequence number naming it. Files are only added while a round is open and a member already
 stored is never stored again, so the rule gives the same answer as the files arrive and when the
-folder is scanned after a restart. A group's stacked tensors are read from disk once each, when a
-member's first is asked for, and shared by its members' rows.
+folder is scanned after a restart. A member's tensors are read from disk one row at a time, as a
+single update's are one tensor at a time: a fresh tensor each read, nothing kept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import torch
 
@@ -25,7 +26,7 @@ SHARED = ("round", "base_digest", "learner", "fetch_seconds", "fetch_bytes")  # 
 
 
 class GroupFile:
-    """One stored group: its members' fields, and its stacked tensors as they are read."""
+    """One stored group: where its stacked tensors lie (nothing read), and its members' fields."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -33,12 +34,6 @@ class GroupFile:
         fields = self.tensors.fields
         shared = {k: fields.get(k) for k in SHARED}
         self.members: list[dict[str, Any]] = [{**shared, **dict(m)} for m in fields.get("members", [])]
-        self._read: dict[str, torch.Tensor] = {}
-
-    def stacked(self, name: str) -> torch.Tensor:
-        if name not in self._read:
-            self._read[name] = self.tensors[name]
-        return self._read[name]
 
     def row(self, row: int) -> GroupRow:
         return GroupRow(self, row)
@@ -47,7 +42,7 @@ class GroupFile:
 class GroupRow(Mapping[str, torch.Tensor]):
     """One member's stored update, read as a single file's would be (codec.TensorFile's interface)."""
 
-    maps: dict[str, Mapping[str, torch.Tensor]] = {}  # a group carries no extras and no delta
+    maps: ClassVar[Mapping[str, Mapping[str, torch.Tensor]]] = MappingProxyType({})  # no extras, no delta
 
     def __init__(self, group: GroupFile, row: int) -> None:
         self.group, self.row = group, row
@@ -62,7 +57,7 @@ class GroupRow(Mapping[str, torch.Tensor]):
         return dtype, shape[1:]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.group.stacked(name)[self.row]
+        return self.group.tensors.row(name, self.row)
 
     def __contains__(self, name: object) -> bool:
         return name in self.group.tensors

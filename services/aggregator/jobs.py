@@ -45,6 +45,7 @@ class AggJob:
     examples: dict[int, int] = field(default_factory=dict)
     disk: DiskQuota | None = None  # its state's disk against FEDMQ_JOB_DISK_BYTES (set by the service)
     stopped: str | None = None  # it passed a limit (limits.OverLimit): the job is over, for this reason
+    unpruned: bool = True  # checkpoints never committed may lie on disk (service._prune looks once)
 
     @property
     def job_id(self) -> str:

@@ -7,9 +7,11 @@
         are deleted, except those the scheduler asks to keep (the best round's)
 
 A job past a limit fails at once with OverLimit's message (naming the setting); nothing more is
-written for it. The disk in use is measured by walking the job's folder once, then counted up as
-files come; deletions are not counted down, so the count only overstates, and the folder is walked
-again only when the count would pass the quota (a walk per round cost 6 ms of a 50 ms round).
+written for it. The disk in use is measured by walking the job's folder, then counted up as
+updates and checkpoints come. The count is not exact (deletions are not counted down; a strategy's
+state, per-client state and the final model are not counted up), so the folder is walked again
+before any refusal, every 16 rounds, and every round for a job that keeps per-client state (a walk
+every round cost 6 ms of a 50 ms round).
 """
 
 from __future__ import annotations

@@ -73,6 +73,8 @@ log = structlog.get_logger("fedmq.aggregator")
 
 DDP_CHECKPOINTS = "ddp_checkpoints"  # a DDP job's stored checkpoints: {step or "final": key}
 Admitted = Literal["new", "early", "duplicate"]  # how an update that passed its checks is kept
+ACCEPTED_PER_MESSAGE = 1000  # about 300 bytes each: far under the scheduler's frame
+MEASURE_EVERY = 16  # rounds between walks of a job's folder for its disk quota (limits.DiskQuota)
 
 
 class AggregatorService:
@@ -135,8 +137,9 @@ class AggregatorService:
             self._over_limit(msg.job_id, exc)
         except (DecodeError, ValidationError) as exc:
             reason = exc.reason if isinstance(exc, ValidationError) else "decode"
-            if isinstance(msg, ClientUpdate | GroupUpdate):
-                self.metrics.updates_rejected.labels(reason_label(reason)).inc()
+            if isinstance(msg, ClientUpdate | GroupUpdate):  # a refused group: each of its members
+                count = len(msg.members) if isinstance(msg, GroupUpdate) else 1
+                self.metrics.updates_rejected.labels(reason_label(reason)).inc(count)
             self._reject(delivery, reason, getattr(exc, "detail", str(exc)))
             return
         self.retry.succeeded()
@@ -295,26 +298,51 @@ class AggregatorService:
             self._publish(self._accepted(msg, size if kind == "new" else 0))
 
     def accept_group(self, msg: GroupUpdate, delivery: Delivery) -> None:
-        """A fused group's updates (common/groups.py): every member checked before any is stored, then
-        each kept as if it had come alone, and the scheduler told of them in one message."""
+        """A fused group's updates (common/groups.py): each member checked as if it had come alone,
+        the scheduler told of them in UpdatesAccepted messages. All sound: the body is kept once, as
+        one file. A member refused: it is counted and logged, the others are kept as single updates
+        (a kept group file has no refused rows). All refused: the message is (dead-lettered)."""
         job = self._job(msg.job_id)
+        if len(msg.members) > job.spec.clients.total:
+            raise ValidationError("unknown_client", f"{len(msg.members)} members, the job has "
+                                  f"{job.spec.clients.total} clients")
         updates = members(msg)
-        kinds = [self._admit(job, update, delivery.user_id) for update in updates]
-        if "early" in kinds:  # before its RoundOpen (rare): each member kept as a single update
-            for update in updates:
-                body = to_wire(update)
-                self._keep(job, update, "early", body, len(body))
+        admitted: list[tuple[ClientUpdate, Admitted]] = []
+        refused: list[tuple[int, ValidationError]] = []
+        for update in updates:
+            try:
+                admitted.append((update, self._admit(job, update, delivery.user_id)))
+            except ValidationError as exc:
+                refused.append((update.client, exc))
+        if not admitted:
+            raise refused[0][1]
+        for client, error in refused:
+            log.warning("update_rejected", client=client, reason=error.reason, detail=str(error)[:300])
+            self.metrics.updates_rejected.labels(reason_label(error.reason)).inc()
+        if refused or any(kind == "early" for _, kind in admitted):  # rare: each kept on its own
+            accepted = []
+            for update, kind in admitted:
+                body = to_wire(update) if kind != "duplicate" else b""
+                self._keep(job, update, kind, body, len(body))
+                if kind != "early":
+                    accepted.append(self._accepted(update, len(body)))
+            self._announce(msg, accepted)
             return
         size = _size(delivery)
-        if "new" in kinds:
-            self._disk(job).need(size, f"the updates of {kinds.count('new')} clients")
+        if any(kind == "new" for _, kind in admitted):
+            self._disk(job).need(size, f"the updates of {len(updates)} clients")
         stored = set(job.store.put_group(msg.round, delivery.body_path or delivery.body,
                                          [update.client for update in updates]))
         self.metrics.updates_accepted.inc(len(stored))
         log.info("group_accepted", clients=len(updates), stored=len(stored), learner=msg.learner)
-        share = size // len(updates)
-        accepted = [self._accepted(u, share if u.client in stored else 0) for u in updates]
-        self._publish(UpdatesAccepted(job_id=msg.job_id, round=msg.round, updates=accepted))
+        share = size // len(updates)  # as store.update_size says
+        self._announce(msg, [self._accepted(u, share if u.client in stored else 0) for u in updates])
+
+    def _announce(self, msg: GroupUpdate, accepted: list[UpdateAccepted]) -> None:
+        """UpdatesAccepted for a group's kept members, in messages the scheduler's frame holds."""
+        for at in range(0, len(accepted), ACCEPTED_PER_MESSAGE):
+            self._publish(UpdatesAccepted(job_id=msg.job_id, round=msg.round,
+                                          updates=accepted[at:at + ACCEPTED_PER_MESSAGE]))
 
     def _admit(self, job: AggJob, msg: ClientUpdate, user_id: str | None) -> Admitted:
         """What to do with an update: ValidationError if it is refused, else how it is kept."""
@@ -377,6 +405,7 @@ class AggregatorService:
             closed = close_round(job, msg.round, msg.clients, msg.failed, self.settings.data_dir)
         except BaseException:
             rewind(job)  # the model and strategy back to the last committed round
+            job.unpruned = True  # its checkpoint may be on disk, never committed
             raise
         self.models.forget(job.job_id)
         self._report(closed)
@@ -384,12 +413,19 @@ class AggregatorService:
         self._prune(job, msg.keep)
 
     def _prune(self, job: AggJob, keep: list[str]) -> None:
-        """Old checkpoints go (FEDMQ_KEEP_CHECKPOINTS); the disk quota looks again when it must."""
-        if self.settings.keep_checkpoints == 0:
-            return  # every round's is kept: no need to list them
-        kept = retained(job.store.rounds(), job.round, self.settings.keep_checkpoints, [job.digest, *keep])
-        if gone := job.store.prune_checkpoints(kept):
-            log.info("checkpoints_pruned", count=len(gone), kept=len(kept))
+        """Old checkpoints go (FEDMQ_KEEP_CHECKPOINTS), and any never committed (a close that failed,
+        a crash before its commit: looked for once after a start or a failed close). The job's disk
+        is measured again every MEASURE_EVERY rounds, and every round when the job keeps per-client
+        state (a strategy's, topk residuals), which the quota's count of updates does not see."""
+        if self.settings.keep_checkpoints or job.unpruned:
+            keep_rounds = self.settings.keep_checkpoints
+            kept = retained(job.store.rounds(), job.round, keep_rounds, [job.digest, *keep])
+            if gone := job.store.prune_checkpoints(kept):
+                log.info("checkpoints_pruned", count=len(gone), kept=len(kept))
+            job.unpruned = False
+        if (job.round % MEASURE_EVERY == 0 or job.strategy.sends_client_state
+                or job.spec.compression.keeps_residual):
+            self._disk(job).measure()
 
     def _disk(self, job: AggJob) -> DiskQuota:
         if job.disk is None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,9 +38,6 @@ from fedmq.common.checkpoint import load_state, save_state
 from fedmq.services.aggregator.grouped import GROUP_PREFIX, GroupFile, GroupRow, group_files
 
 DIGEST = re.compile(r"[0-9a-f]{64}")  # codec.state_digest's form: what a learner may ask for
-# Group files whose tensors a round's close keeps read at once: members of a group are folded in
-# client order, interleaved with other groups' (each at most a learner's GROUP_MESSAGE_BYTES).
-GROUP_FILES_READ = 8
 
 
 def weights_digest(key: str) -> str:
@@ -58,9 +54,8 @@ class JobStore:
         self.job_id = job_id
         self.sync = sync
         self._rounds: dict[int, str] | None = None  # rounds.json, as this store last read or wrote it
-        self._groups: dict[int, dict[int, tuple[Path, int]]] = {}  # round -> grouped updates' index
+        self._groups: dict[int, dict[int, tuple[GroupFile, int]]] = {}  # round -> grouped updates' index
         self._group_seq: dict[int, int] = {}  # round -> its last group file's number
-        self._group_files: OrderedDict[Path, GroupFile] = OrderedDict()  # read lately (their tensors)
 
     # -- spec and round index -------------------------------------------------
 
@@ -170,7 +165,8 @@ class JobStore:
             path = self._updates(server_round) / f"{GROUP_PREFIX}{seq}.msg"
             _put(path, body, self.sync)
             self._group_seq[server_round] = seq
-            index.update({client: (path, row) for row, client in enumerate(members) if client in new})
+            group = GroupFile(path)
+            index.update({client: (group, row) for row, client in enumerate(members) if client in new})
         return new
 
     def read_update(self, server_round: int, client: int) -> codec.TensorFile | GroupRow:
@@ -178,42 +174,38 @@ class JobStore:
         grouped = self._grouped(server_round).get(client)
         if grouped is None:
             return codec.index_tensors(self._update_path(server_round, client), lazy=("extras", "delta"))
-        path, row = grouped
-        if path not in self._group_files:
-            self._group_files[path] = GroupFile(path)
-            while len(self._group_files) > GROUP_FILES_READ:
-                self._group_files.popitem(last=False)
-        return self._group_files[path].row(row)
+        group, row = grouped
+        return group.row(row)
 
     def update_size(self, server_round: int, client: int) -> int:
-        """A stored update's size: its body as received (a group's, shared by its members)."""
+        """A stored update's size: its body as received (a group's, shared by all its members)."""
         grouped = self._grouped(server_round).get(client)
         if grouped is None:
             return self._update_path(server_round, client).stat().st_size
-        path, _ = grouped
-        return path.stat().st_size // sum(1 for p, _ in self._grouped(server_round).values() if p == path)
+        group, _ = grouped
+        return group.path.stat().st_size // len(group.members)
 
     def drop_updates(self, server_round: int) -> None:
         shutil.rmtree(self._updates(server_round), ignore_errors=True)
         self._groups.pop(server_round, None)
         self._group_seq.pop(server_round, None)
-        self._group_files.clear()
 
     def stored_clients(self, server_round: int) -> list[int]:
         """The clients whose update for the round is stored, in order."""
         return sorted(set(_clients(self._updates(server_round))) | set(self._grouped(server_round)))
 
-    def _grouped(self, server_round: int) -> dict[int, tuple[Path, int]]:
+    def _grouped(self, server_round: int) -> dict[int, tuple[GroupFile, int]]:
         """client -> (group file, row) of the round's grouped updates: kept as groups are stored,
         built from the folder on first use after a restart (grouped.py's rule)."""
         index = self._groups.get(server_round)
         if index is None:
             index, singles = {}, set(_clients(self._updates(server_round)))
             for path in group_files(self._updates(server_round)):
-                for row, member in enumerate(GroupFile(path).members):
+                group = GroupFile(path)
+                for row, member in enumerate(group.members):
                     client = int(member["client"])
                     if client not in index and client not in singles:
-                        index[client] = (path, row)
+                        index[client] = (group, row)
                 self._group_seq[server_round] = int(path.stem[1:])
             self._groups[server_round] = index
         return index
@@ -232,9 +224,8 @@ class JobStore:
 
     def adopt_early(self, server_round: int, client: int) -> None:
         """The round opened with this client: its early update becomes a stored one."""
-        dest = self._update_path(server_round, client)
-        if not dest.exists():
-            _put(dest, self._early_path(server_round, client), self.sync)
+        if not self.has_update(server_round, client):  # a group may hold it already (a restart)
+            _put(self._update_path(server_round, client), self._early_path(server_round, client), self.sync)
 
     def drop_early(self, server_round: int) -> None:
         shutil.rmtree(self.root / "early" / f"r{server_round}", ignore_errors=True)

@@ -204,6 +204,7 @@ def run_job(
             "fused_groups": [size for learner in cluster.learners for size in learner.work.fused_groups],
             "reconnects": sum(getattr(s.bus, "reconnects", 0) for _, s in cluster.services()),
             "dead_letters": _merge([s.metrics.dead_letter_counts() for _, s in cluster.services()]),
+            "updates_rejected": _merge([s.metrics.rejected_update_counts() for _, s in cluster.services()]),
             "jobs_refused": _merge([s.metrics.refused_counts() for _, s in cluster.services()]),
         }
     history = [rounds[r] for r in sorted(rounds)]

@@ -32,7 +32,8 @@ from fedmq.services.scheduler.rounds import RoundState
 class JobRows:
     def __init__(self, path: Path, sync: bool = True) -> None:
         """`sync` (FEDMQ_FSYNC): each commit fsynced; else written through to the kernel only (WAL
-        mode, synchronous=OFF): a killed process loses nothing, a power loss may."""
+        mode, synchronous=NORMAL): a killed process loses nothing, a power loss may lose the last
+        commits but never corrupts the database."""
         self.path = path
         self.sync = sync
         self._kept: dict[str, int] = {}  # job → history records already on disk
@@ -42,7 +43,7 @@ class JobRows:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={'FULL' if self.sync else 'OFF'}")
+            self._db.execute(f"PRAGMA synchronous={'FULL' if self.sync else 'NORMAL'}")
             self._db.execute("CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, data TEXT NOT NULL)")
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS history (job_id TEXT NOT NULL, position INTEGER NOT NULL, "

@@ -16,7 +16,7 @@ from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
 from fedmq.common.checkpoint import load_state
 from fedmq.common.groups import group_of, members
-from fedmq.common.messages import GroupUpdate, from_wire, to_wire
+from fedmq.common.messages import ClientUpdate, GroupUpdate, from_wire, to_wire
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
 from tests.conftest import assert_bit_identical, assert_matches_reference, small_job
@@ -49,10 +49,10 @@ def test_a_tiny_memory_budget_shrinks_the_groups_and_the_job_still_completes(tmp
 
 
 def regrouping(connect: Callable[[str], Bus]) -> Callable[[str], Bus]:
-    """Learners' buses that send each fused group's updates four ways: first a forged copy whose
-    members moved their weights and whose last member is NaN (refused whole, so none of it may be
-    stored), then the group's first half alone, then the whole group twice (half, then all, stored
-    already: nothing may change)."""
+    """Learners' buses that send each fused group's updates five ways: a forged copy whose members
+    all moved their weights and are NaN (refused whole, dead-lettered); a copy whose last member
+    alone is NaN (that member refused, the others kept); the group's first half alone; then the
+    whole group twice (kept already: nothing may change)."""
 
     def make(name: str) -> Bus:
         bus = connect(name)
@@ -64,11 +64,8 @@ def regrouping(connect: Callable[[str], Bus]) -> Callable[[str], Bus]:
             msg = from_wire(body) if queue == topology.AGGREGATOR else None
             if isinstance(msg, GroupUpdate):
                 updates = members(msg)
-                forged = [u.model_copy(update={"weights": {k: v + 1 for k, v in u.weights.items()}})
-                          for u in updates]
-                nan = {k: v * float("nan") for k, v in forged[-1].weights.items()}
-                forged[-1] = forged[-1].model_copy(update={"weights": nan})
-                publish(queue, to_wire(group_of(forged)))
+                publish(queue, to_wire(group_of([nan(u, shift=1.0) for u in updates])))
+                publish(queue, to_wire(group_of([*updates[:-1], nan(updates[-1])])))
                 publish(queue, to_wire(group_of(updates[: max(1, len(updates) // 2)])))
                 publish(queue, body, **kwargs)
             publish(queue, body, **kwargs)
@@ -79,7 +76,13 @@ def regrouping(connect: Callable[[str], Bus]) -> Callable[[str], Bus]:
     return make
 
 
-def test_a_group_is_checked_whole_before_any_member_is_stored_and_a_stored_member_changes_nothing(
+def nan(update: ClientUpdate, shift: float = 0.0) -> ClientUpdate:
+    weights = {k: (v + shift) * float("nan") if k == next(iter(update.weights)) else v + shift
+               for k, v in update.weights.items()}
+    return update.model_copy(update={"weights": weights})
+
+
+def test_each_member_of_a_group_is_checked_as_if_alone_and_a_kept_member_changes_nothing(
     transport: Transport,
 ) -> None:
     alone = run_job(FUSED, Settings(state_dir=transport.settings.state_dir / "alone"), idle_timeout=60)
@@ -88,4 +91,5 @@ def test_a_group_is_checked_whole_before_any_member_is_stored_and_a_stored_membe
     assert result["fused_groups"] == [6, 6, 6]
     assert_bit_identical(load_state(result["model_path"])[0], load_state(alone["model_path"])[0])
     reasons = [reason.split(":")[0] for reason, _ in transport.dead()]
-    assert reasons == ["non_finite"] * 3, "each round's forged group refused whole"
+    assert reasons == ["non_finite"] * 3, "each round's all-NaN group refused whole"
+    assert result["updates_rejected"] == {"non_finite": 3 * (6 + 1)}, "each refused member counted"

@@ -35,7 +35,21 @@ def test_a_stored_group_gives_each_new_member_its_row_and_a_restart_reads_the_sa
                 assert torch.equal(stored[name], tensor)
         assert reader.read_update(3, 6).path.endswith("g1.msg")  # its first group's row
         sizes = {f"g{n}": (tmp_path / "job" / "updates" / "r3" / f"g{n}.msg").stat().st_size for n in (1, 2)}
-        assert reader.update_size(3, 2) == reader.update_size(3, 6) == sizes["g1"] // 2  # its stored members'
-        assert reader.update_size(3, 8) == sizes["g2"]
+        assert reader.update_size(3, 2) == reader.update_size(3, 6) == sizes["g1"] // 3  # a member's share
+        assert reader.update_size(3, 8) == sizes["g2"] // 2
+        row = reader.read_update(3, 8)
+        row["w"].add_(1)  # a fresh tensor each read, as a single update's: an edit changes nothing stored
+        assert torch.equal(row["w"], update(8).weights["w"])
     store.drop_updates(3)
     assert store.stored_clients(3) == [] and not store.has_update(3, 2)
+
+
+def test_an_early_copy_of_a_client_a_group_holds_is_not_adopted_over_it(tmp_path: Path) -> None:
+    # A restart between RoundOpen's record and its handling: a group came first, then the RoundOpen
+    # adopts the round's early updates; the group's copy stays the client's, before and after.
+    store = JobStore(tmp_path, "job")
+    store.put_early(3, 2, to_wire(update(2, num_examples=99)))
+    store.put_group(3, to_wire(group_of([update(2), update(4)])), [2, 4])
+    store.adopt_early(3, 2)
+    for reader in (store, JobStore(tmp_path, "job")):
+        assert int(reader.read_update(3, 2).fields["num_examples"]) == update(2).num_examples

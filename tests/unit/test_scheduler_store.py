@@ -77,7 +77,7 @@ def test_rows_without_sync_commit_to_the_kernel_only_and_read_back(tmp_path: Pat
         rows.open()
         rows.save(job(3))
     assert synced._db.execute("PRAGMA synchronous").fetchone() == (2,)  # FULL
-    assert unsynced._db.execute("PRAGMA synchronous").fetchone() == (0,)  # OFF
+    assert unsynced._db.execute("PRAGMA synchronous").fetchone() == (1,)  # NORMAL
     again = JobRows(tmp_path / "b.sqlite")
     again.open()
     assert again.load()[0]["history"] == job(3).history

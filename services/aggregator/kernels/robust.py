@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from fedmq.common.codec import TensorFile
 from fedmq.common.errors import AggregationError
 
 StateDict = dict[str, torch.Tensor]
@@ -276,9 +275,10 @@ def _layout(updates: Updates) -> dict[str, tuple[torch.dtype, torch.Size]]:
 
 
 def _meta(update: Mapping[str, torch.Tensor], name: str) -> tuple[torch.dtype, torch.Size]:
-    """dtype and shape without reading the tensor when the mapping is a lazy TensorFile."""
-    if isinstance(update, TensorFile):
-        return update.meta(name)
+    """dtype and shape without reading the tensor when the mapping is lazy (a TensorFile, a group's row)."""
+    meta = getattr(update, "meta", None)
+    if callable(meta):
+        return meta(name)
     tensor = update[name]
     return tensor.dtype, tensor.shape
 
