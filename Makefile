@@ -67,6 +67,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/robust_memory.py
 	$(BIN)/python benchmarks/fused.py
 	$(BIN)/python benchmarks/fused_run.py
+	$(BIN)/python benchmarks/many_clients.py
 
 clean:
 	rm -rf $(VENV) .fedmq .pytest_cache .mypy_cache .hypothesis

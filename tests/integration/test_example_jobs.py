@@ -9,6 +9,7 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
 import fedmq
 from fedmq.common.jobspec import load_job
@@ -107,3 +108,14 @@ def user_lines(path: Path, names: tuple[str, ...]) -> int:
                 if text and not text.startswith("#") and number not in docstrings:
                     count += 1
     return count
+
+
+def test_the_synthetic_task_makes_any_clients_data_from_its_id_and_learns(tmp_path: Path) -> None:
+    spec = example("synthetic", clients={"total": 50_000, "per_round": 50, "min_fit": 50}, rounds=4)
+    task = TaskRuntime.for_job(spec)
+    first, again, other = (task.load_data(c, None).train for c in (49_999, 49_999, 7))
+    assert torch.equal(first[0], again[0]) and not torch.equal(first[0], other[0])
+    result = fedmq.run(spec, state_dir=tmp_path)
+    assert result.ok
+    before, after = result.history[0].get("server.loss"), result.final.get("server.loss")  # type: ignore[union-attr]
+    assert before is not None and after is not None and after < before / 2, (before, after)
