@@ -3,8 +3,8 @@
 examples/synthetic.yaml's Task makes each client's data from its id, so no data set bounds the
 count; `fedmq run` (embedded, fused training: the many-client simulation this is for) of a few
 rounds for each population, each in a fresh child process. Figures: the median
-steady round and the process's peak RSS (every service is a thread of it), the 10,000-client job's
-the baseline. Prints one JSON object. Target: both ratios <= 1.2.
+steady round (the faster of two runs) and the process's peak RSS (every service is a thread of it),
+the 10,000-client job's the baseline. Prints one JSON object. Target: both ratios <= 1.2.
 Usage: python benchmarks/many_clients.py [--rounds N] [--per-round K]
 """
 
@@ -53,14 +53,14 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.per_round, args.rounds)))
         return
-    runs = {}
-    for total in (10_000, 1_000_000):
+    runs: dict[int, list[dict[str, Any]]] = {10_000: [], 1_000_000: []}
+    for total in [*runs, *runs]:  # each twice, alternating: the first process on a cold machine is slower
         proc = subprocess.run(
             [sys.executable, __file__, "--child", str(total), "--rounds", str(args.rounds),
              "--per-round", str(args.per_round)], capture_output=True, text=True, check=True, cwd=REPO,
         )
-        runs[total] = json.loads(proc.stdout.strip().splitlines()[-1])
-    small, large = runs[10_000], runs[1_000_000]
+        runs[total].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    small, large = (_best(runs[total]) for total in (10_000, 1_000_000))
     print(json.dumps({
         "benchmark": "many_clients", "clients_per_round": args.per_round, "rounds": args.rounds,
         "round_s_1m": large["round_s_median"], "baseline_round_s_10k": small["round_s_median"],
@@ -69,6 +69,13 @@ def main() -> None:
         "rss_ratio": large["peak_rss_mib"] / small["peak_rss_mib"],
         "status": [small["status"], large["status"]], "target_ratio": 1.2,
     }))
+
+
+def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The faster run's round, the larger peak RSS, every status."""
+    return {"round_s_median": min(r["round_s_median"] for r in runs),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+            "status": ",".join(r["status"] for r in runs)}
 
 
 if __name__ == "__main__":
