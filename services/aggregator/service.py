@@ -301,7 +301,7 @@ class AggregatorService:
         """A fused group's updates (common/groups.py): each member checked as if it had come alone,
         the scheduler told of them in UpdatesAccepted messages. All sound: the body is kept once, as
         one file. A member refused: it is counted and logged, the others are kept as single updates
-        (a kept group file has no refused rows). All refused: the message is (dead-lettered)."""
+        (a kept group file has no refused rows). All refused: the message is dead-lettered."""
         job = self._job(msg.job_id)
         if len(msg.members) > job.spec.clients.total:
             raise ValidationError("unknown_client", f"{len(msg.members)} members, the job has "
@@ -320,13 +320,7 @@ class AggregatorService:
             log.warning("update_rejected", client=client, reason=error.reason, detail=str(error)[:300])
             self.metrics.updates_rejected.labels(reason_label(error.reason)).inc()
         if refused or any(kind == "early" for _, kind in admitted):  # rare: each kept on its own
-            accepted = []
-            for update, kind in admitted:
-                body = to_wire(update) if kind != "duplicate" else b""
-                self._keep(job, update, kind, body, len(body))
-                if kind != "early":
-                    accepted.append(self._accepted(update, len(body)))
-            self._announce(msg, accepted)
+            self._keep_each(job, msg, admitted)
             return
         size = _size(delivery)
         if any(kind == "new" for _, kind in admitted):
@@ -337,6 +331,19 @@ class AggregatorService:
         log.info("group_accepted", clients=len(updates), stored=len(stored), learner=msg.learner)
         share = size // len(updates)  # as store.update_size says
         self._announce(msg, [self._accepted(u, share if u.client in stored else 0) for u in updates])
+
+    def _keep_each(
+        self, job: AggJob, msg: GroupUpdate, admitted: list[tuple[ClientUpdate, Admitted]]
+    ) -> None:
+        """A group's admitted members kept as single updates (a member was refused, or the group came
+        before its RoundOpen), and announced."""
+        accepted = []
+        for update, kind in admitted:
+            body = to_wire(update) if kind != "duplicate" else b""
+            self._keep(job, update, kind, body, len(body))
+            if kind != "early":
+                accepted.append(self._accepted(update, len(body)))
+        self._announce(msg, accepted)
 
     def _announce(self, msg: GroupUpdate, accepted: list[UpdateAccepted]) -> None:
         """UpdatesAccepted for a group's kept members, in messages the scheduler's frame holds."""
