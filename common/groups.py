@@ -3,10 +3,10 @@
     learner:    ClientUpdate × G ─▶ group_of ─▶ GroupUpdate{members[0..G), weights{name: [G, *shape]}}
     aggregator: GroupUpdate ─▶ members ─▶ ClientUpdate(member i, weights{name: weights[name][i]}) × G
 
-Each member's update is then checked, stored and announced as if it had come alone: the
-same checks, the same file per client, the same exactly-once rule. The group only saves
-the per-message costs (encoding, the broker, decoding, the scheduler's bookkeeping), and a
-member already stored (a task trained again after a crash, in another group) changes nothing.
+Each member's update is then checked and counted as if it had come alone: the same checks, the
+same exactly-once rule (a member already stored, its task trained again after a crash in another
+group, changes nothing). The group saves the per-message costs: encoding, the broker, decoding,
+one file for the group (services/aggregator/grouped.py), the scheduler's bookkeeping.
 """
 
 from __future__ import annotations

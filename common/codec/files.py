@@ -25,7 +25,7 @@ from fedmq.common.codec.tensors import (
     TENSOR_EXT,
     data_offset,
     header_end,
-    row_from_data,
+    tensor_from_data,
     tensor_from_payload,
     tensor_header,
 )
@@ -144,7 +144,7 @@ class TensorFile(Mapping[str, "torch.Tensor"]):
         shape = entry.shape[1:]
         size = math.prod(shape) * entry.dtype.itemsize
         start = entry.offset + data_offset(len(entry.shape)) + index * size
-        return row_from_data(self._read(start, size), entry.dtype, shape)
+        return tensor_from_data(self._read(start, size), 0, entry.dtype, shape)
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries  # Mapping's default would read the tensor

@@ -85,18 +85,16 @@ def tensor_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview]:
 def tensor_from_payload(payload: bytes | bytearray) -> torch.Tensor:
     """Check a tensor ext payload and return a tensor viewing its data."""
     dtype, shape = tensor_header(payload, len(payload))
-    try:
-        return _view_data(payload, _header_size(len(shape)), dtype, shape, math.prod(shape))
-    except (RuntimeError, ValueError, OverflowError) as exc:
-        raise DecodeError(f"tensor {dtype} {list(shape)} rejected by torch: {exc}") from exc
+    return tensor_from_data(payload, _header_size(len(shape)), dtype, shape)
 
 
-def row_from_data(
-    data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]
+def tensor_from_data(
+    data: bytes | bytearray, start: int, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor:
-    """A tensor of `shape` over the raw little-endian data of one row of a stored tensor (no header)."""
+    """A tensor of `shape` over the raw little-endian data at data[start:] (a payload's, or one row
+    of a stored tensor read alone); DecodeError if torch refuses it."""
     try:
-        return _view_data(data, 0, dtype, shape, math.prod(shape))
+        return _view_data(data, start, dtype, shape, math.prod(shape))
     except (RuntimeError, ValueError, OverflowError) as exc:
         raise DecodeError(f"tensor {dtype} {list(shape)} rejected by torch: {exc}") from exc
 

@@ -159,7 +159,7 @@ class JobStore:
         """Keep a GroupUpdate's body once (grouped.py); the members not stored before become stored.
         Returns those members; nothing is written when there are none."""
         index = self._grouped(server_round)
-        new = [c for c in members if c not in index and not self._update_path(server_round, c).exists()]
+        new = [c for c in members if not self.has_update(server_round, c)]
         if new:
             seq = self._group_seq.get(server_round, 0) + 1
             path = self._updates(server_round) / f"{GROUP_PREFIX}{seq}.msg"

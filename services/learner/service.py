@@ -278,10 +278,9 @@ class LearnerService:
                 outcomes = [exc] * len(group)
         together = [(update, delivery) for update, (_, delivery) in zip(outcomes, group, strict=True)
                     if isinstance(update, ClientUpdate) and groupable(update)]
-        if len(together) > 1 and _stacked_bytes([u for u, _ in together]) <= GROUP_MESSAGE_BYTES:
-            self._send_group(together)
-        else:
-            together = []
+        if len(together) < 2 or _stacked_bytes([u for u, _ in together]) > GROUP_MESSAGE_BYTES:
+            together = []  # each goes on its own
+        self._send_group(together)
         sent = {id(delivery) for _, delivery in together}
         for (task, delivery), outcome in zip(group, outcomes, strict=True):
             if id(delivery) in sent:
@@ -294,7 +293,7 @@ class LearnerService:
 
     def _send_group(self, updates: list[tuple[ClientUpdate, Delivery]]) -> None:
         """The group's updates in one message (common/groups.py); its tasks acked once it is confirmed."""
-        if self._stopping:
+        if not updates or self._stopping:
             return  # the tasks go back to the queue with our connection
         try:
             self.bus.publish(topology.AGGREGATOR, to_wire(group_of([update for update, _ in updates])))

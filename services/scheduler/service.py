@@ -157,8 +157,9 @@ class SchedulerService(EvaluationLoop, DdpLoop):
     def _count_update(self, job: SchedJob, msg: UpdateAccepted) -> None:
         """Count a client's stored update in its round, once."""
         state = job.state
-        if state is not None and state.round == msg.round and state.record_update(msg.client,
-                                                                                   msg.num_examples):
+        if state is None or state.round != msg.round:
+            return
+        if state.record_update(msg.client, msg.num_examples):
             add_sync(job.sync, msg)
 
     def _gauge_fleet(self) -> None:
