@@ -141,7 +141,8 @@ def test_submit_with_a_learner_alive_does_not_warn_and_cancel_stops_the_job(
             assert time.monotonic() < deadline, "the scheduler never heard the learner"
         result = fedmq("submit", spec_file(tmp_path, spec))
         assert result.exit_code == 0, result.output
-        assert "warning" not in result.output
+        # (the services' own logs may reach this output too: a learner late to beat on a loaded machine)
+        assert "warning: no learner is alive" not in result.output
         job_id = result.stdout.strip()
         running.wait_for("accepted")
         cancelled = fedmq("cancel", job_id)
