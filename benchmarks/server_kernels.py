@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from fedmq.common.privacy import epsilon  # noqa: E402
 from fedmq.services.aggregator.kernels.adaptive import VARIANTS, fedopt_step  # noqa: E402
 from fedmq.services.aggregator.kernels.mean import weighted_mean  # noqa: E402
 from fedmq.services.aggregator.kernels.private import adaptive_dp_fedavg, dp_fedavg  # noqa: E402
-from fedmq.services.aggregator.privacy import epsilon  # noqa: E402
 
 
 def best_seconds(action: Callable[[], Any], repeats: int) -> float:

@@ -119,6 +119,16 @@ class ClientsSpec(Spec):
         return None if self.sites is None else self.sites[client]
 
 
+class DpSgdSpec(Spec):
+    """Local DP-SGD: each example's gradient clipped to `clip_norm`, their sum noised (dpsgd.py)."""
+
+    clip_norm: float = Field(gt=0, allow_inf_nan=False, description="C: each example's gradient norm bound")
+    noise_multiplier: float = Field(
+        ge=0, allow_inf_nan=False, description="z: Gaussian noise of std z·C on each step's summed gradient",
+    )
+    delta: float = Field(1e-5, gt=0, lt=1, description="the δ that train.dp_epsilon is reported at")
+
+
 class TrainSpec(Spec):
     """Local training on each client: fedmq's loop for a loss-level Task, or hints for a Task's own."""
 
@@ -133,6 +143,10 @@ class TrainSpec(Spec):
     fuse: bool = Field(
         False, description="train a learner's clients of a round together (vmap over stacked weights), for "
         "a Task at the loss level; within 1e-5 of one at a time, and bit-identical however grouped on CPU",
+    )
+    dp_sgd: DpSgdSpec | None = Field(
+        None, description="train with DP-SGD (per-example clipping and Gaussian noise), a Task at the loss "
+        "level; each client reports train.dp_epsilon, its (ε, δ) spent if it took part in every round",
     )
 
 

@@ -30,6 +30,7 @@ from fedmq.common.strategy.contract import (
 from fedmq.common.task.contract import (
     ClientData,
     DataContext,
+    DpSgd,
     EvalContext,
     EvalResult,
     ExportContext,
@@ -89,6 +90,7 @@ __all__ = [
     "ClientResult",
     "Controls",
     "DataContext",
+    "DpSgd",
     "EvalContext",
     "EvalResult",
     "ExportContext",

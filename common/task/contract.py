@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
     from torch import nn
 
+    from fedmq.common.jobspec import TrainSpec
+
 Reduction = Literal["mean", "sum", "min", "max", "geometric"]
 Mode = Literal["min", "max"]
 
@@ -70,6 +72,16 @@ class DataContext:
 
 
 @dataclass(frozen=True)
+class DpSgd:
+    """The spec's `train.dp_sgd`: per-example gradients clipped to `clip_norm`, Gaussian noise of
+    std `noise_multiplier`·`clip_norm` added to their sum each step; ε reported at `delta`."""
+
+    clip_norm: float
+    noise_multiplier: float
+    delta: float = 1e-5
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     """The spec's `train` section, as a Task sees it."""
 
@@ -81,6 +93,18 @@ class TrainSettings:
     momentum: float = 0.0
     weight_decay: float = 0.0
     options: Mapping[str, Any] = field(default_factory=dict)  # free-form, for a Task's own `train`
+    dp_sgd: DpSgd | None = None  # fedmq's loop trains with DP-SGD; a Task's own `train` cannot
+
+    @classmethod
+    def from_spec(cls, train: TrainSpec) -> TrainSettings:
+        """The spec's `train` section as a Task sees it."""
+        dp = train.dp_sgd
+        return cls(
+            epochs=train.epochs, batch_size=train.batch_size, max_steps=train.max_steps,
+            optimizer=train.optimizer, lr=train.lr, momentum=train.momentum,
+            weight_decay=train.weight_decay, options=dict(train.options),
+            dp_sgd=None if dp is None else DpSgd(dp.clip_norm, dp.noise_multiplier, dp.delta),
+        )
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@
                    otherwise                    clients grouped by exact batch size, the loss as written
                  vmap(grad(loss))(rows[group], batches[group]); which of the two is decided on the
                  first batch, by comparing the loss of a batch with the mean of its examples' losses
+                 train.dp_sgd: every example's gradient (vmap(grad) one level down), clipped, summed
+                 and noised from each client's own stream, as dpsgd.py does for one client
     update       the optimizer's arithmetic on the group's rows: SGD (momentum, weight decay),
                  Adam, the FedProx proximal gradient mu·(w − w_global)
 
@@ -38,7 +40,8 @@ from torch import nn
 from fedmq.common.strategy.contract import PROXIMAL_MU, SCAFFOLD
 from fedmq.common.task.batches import Source, batch_size_of, source, to_device
 from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
-from fedmq.common.task.loop import split_loss
+from fedmq.common.task.dpsgd import draw_noise, epsilon_spent, noise_generator, private_gradient, refuse_model
+from fedmq.common.task.functional import LossCall, loss_with_aux, unsqueeze
 
 if TYPE_CHECKING:
     from fedmq.common.task.contract import Task
@@ -74,9 +77,12 @@ def can_fuse(model: nn.Module, ctx: TrainContext) -> str | None:
 
 def group_size(model: nn.Module, settings: TrainSettings, budget_bytes: int) -> int:
     """How many clients fit a memory budget: per client, the weights, their gradients and the
-    optimizer's state (one tensor for SGD with momentum, two for Adam). At least 1."""
+    optimizer's state (one tensor for SGD with momentum, two for Adam; with DP-SGD a gradient per
+    example of a batch, and the noise). At least 1."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     states = 2 if settings.optimizer == "adam" else 1 if settings.momentum else 0
+    if settings.dp_sgd is not None:  # a gradient per example, and the step's noise
+        states += settings.batch_size + 1
     per_client = weights * (2 + states)
     return max(1, budget_bytes // max(1, per_client))
 
@@ -115,24 +121,12 @@ class _CannotFuse(Exception):
     """The loss did something vmap cannot batch (random numbers, a data-dependent branch)."""
 
 
-class _Call(nn.Module):
-    """The Task's loss as a module, so functional_call can swap the model's weights for a row's."""
-
-    def __init__(self, task: Task, model: nn.Module) -> None:
-        super().__init__()
-        self.task = task
-        self.model = model
-
-    def forward(self, batch: Any) -> Any:
-        return self.task.loss(self.model, batch)  # type: ignore[attr-defined]
-
-
 class _Trainer:
     def __init__(
         self, task: Task, model: nn.Module, sources: list[Source], ctxs: Sequence[TrainContext],
         device: torch.device,
     ) -> None:
-        self.call = _Call(task, model)
+        self.call = LossCall(task, model)
         self.ctxs = ctxs
         self.settings = ctxs[0].train
         self.device = device
@@ -158,24 +152,29 @@ class _Trainer:
         self.masked_losses = torch.func.vmap(self._masked_loss, in_dims=(0, 0, 0), randomness="error")
         self.per_example = torch.func.vmap(self._one_example, in_dims=(None, 0), randomness="error")
         self.masked: bool | None = None  # decided on the first batch: does the loss average its examples?
+        self.sizes = [src.size or 0 for src in sources]
+        self.steps = [0] * self.count
+        self.dp = self.settings.dp_sgd
+        if self.dp is not None:  # DP-SGD: each example's gradient clipped, their sum noised (dpsgd.py)
+            refuse_model(model)
+            self.masked = True  # a gradient of each example alone: padding never changes it
+            self.noise = [noise_generator(ctx) for ctx in ctxs]
+            self.numel = sum(r[0].numel() for r in self.rows.values())
+            each = torch.func.vmap(torch.func.grad(self._one_example, has_aux=True), in_dims=(None, 0),
+                                   randomness="error")
+            self.each_grads = each
+            self.private_rows = torch.func.vmap(self._private_row, in_dims=(0, 0, 0, 0), randomness="error")
 
     def _loss(
         self, params: dict[str, torch.Tensor], batch: Any
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        out = torch.func.functional_call(self.call, {f"model.{n}": p for n, p in params.items()}, (batch,))
-        loss, metrics = split_loss(out)
-        aux = {"loss": loss.detach()}
-        for name, value in metrics.items():
-            tensor = (value.detach() if isinstance(value, torch.Tensor)
-                      else torch.tensor(float(value), device=loss.device))
-            aux[name] = tensor.reshape(())
-        return loss, aux
+        return loss_with_aux(self.call, params, batch)
 
     def _one_example(
         self, params: dict[str, torch.Tensor], example: Any
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of one example, as a batch of one."""
-        return self._loss(params, _unsqueeze(example))
+        return self._loss(params, unsqueeze(example))
 
     def _masked_loss(
         self, params: dict[str, torch.Tensor], batch: Any, mask: torch.Tensor
@@ -185,6 +184,16 @@ class _Trainer:
         count = mask.sum()
         means = {name: (values * mask).sum() / count for name, values in aux.items()}
         return (losses * mask).sum() / count, means
+
+    def _private_row(
+        self, params: dict[str, torch.Tensor], batch: Any, mask: torch.Tensor, noise: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One client's DP-SGD gradient of a padded batch, and its examples' mean metrics."""
+        assert self.dp is not None
+        grads, aux = self.each_grads(params, batch)
+        count = mask.sum()
+        means = {name: (values * mask).sum() / count for name, values in aux.items()}
+        return private_gradient(grads, mask, noise, self.dp.clip_norm), means
 
     def _averages_examples(self, batch: Any) -> bool:
         """Whether the loss of a batch, its gradient and every metric are the means of its examples'
@@ -246,20 +255,10 @@ class _Trainer:
         sizes = [batch_size_of(batch) for _, batch, _ in group]
         leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
         try:
-            with torch.enable_grad():
-                if padded:
-                    longest = max(self.settings.batch_size, *sizes)
-                    batches = _stack([_pad(batch, longest) for _, batch, _ in group], self.device)
-                    mask = torch.stack([
-                        (torch.arange(longest) < size).to(torch.float32) for size in sizes
-                    ]).to(self.device)
-                    losses, aux = self.masked_losses(leaves, batches, mask)
-                else:
-                    batches = _stack([batch for _, batch, _ in group], self.device)
-                    losses, aux = self.losses(leaves, batches)
-                found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
-            grads = {n: torch.zeros_like(leaves[n]) if g is None else g  # unused by the loss: no gradient
-                     for n, g in zip(leaves, found, strict=True)}
+            if self.dp is not None:
+                grads, aux = self._private(params, group, sizes)
+            else:
+                grads, aux = self._gradients(leaves, group, sizes, padded)
         except (RuntimeError, ValueError, IndexError, TypeError) as err:  # random numbers, no vmap rule
             raise _CannotFuse(str(err)) from err
         new = self._update(params, grads, index, whole, step)
@@ -281,6 +280,43 @@ class _Trainer:
             total.index_add_(0, index, values.detach().to(torch.float64).reshape(-1) * weights)
         for (i, _, new_epoch), size in zip(group, sizes, strict=True):
             self.seen[i] = size if new_epoch else self.seen[i] + size
+            self.steps[i] += 1
+
+    def _gradients(
+        self, leaves: dict[str, torch.Tensor], group: list[tuple[int, Any, bool]], sizes: list[int],
+        padded: bool,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Each client's gradient of its batch's loss, by autograd through the vmapped forward."""
+        with torch.enable_grad():
+            if padded:
+                batches, mask = self._padded(group, sizes)
+                losses, aux = self.masked_losses(leaves, batches, mask)
+            else:
+                batches = _stack([batch for _, batch, _ in group], self.device)
+                losses, aux = self.losses(leaves, batches)
+            found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+        grads = {n: torch.zeros_like(leaves[n]) if g is None else g  # unused by the loss: no gradient
+                 for n, g in zip(leaves, found, strict=True)}
+        return grads, aux
+
+    def _private(
+        self, params: dict[str, torch.Tensor], group: list[tuple[int, Any, bool]], sizes: list[int]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Each client's DP-SGD gradient, its noise drawn from its own stream as the sequential loop does."""
+        assert self.dp is not None
+        dtype = next(iter(params.values())).dtype
+        noise = torch.stack([
+            draw_noise(self.noise[i], self.numel, self.dp, self.device, dtype) for i, _, _ in group
+        ])
+        batches, mask = self._padded(group, sizes)
+        return self.private_rows({n: p.detach() for n, p in params.items()}, batches, mask.to(dtype), noise)
+
+    def _padded(self, group: list[tuple[int, Any, bool]], sizes: list[int]) -> tuple[Any, torch.Tensor]:
+        """The group's batches padded to the job's batch size (or their largest), and their masks."""
+        longest = max(self.settings.batch_size, *sizes)
+        batches = _stack([_pad(batch, longest) for _, batch, _ in group], self.device)
+        mask = torch.stack([(torch.arange(longest) < size).to(torch.float32) for size in sizes])
+        return batches, mask.to(self.device)
 
     def _update(
         self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], index: torch.Tensor,
@@ -347,6 +383,9 @@ class _Trainer:
         weights = {n: self.rows[n][i].detach().clone() for n in self.names}
         seen = self.seen[i]
         metrics = {name: total / seen for name, total in totals.items()} if seen else {}
+        if self.dp is not None:
+            rounds = self.ctxs[i].round
+            metrics |= epsilon_spent(self.dp, self.settings.batch_size, self.sizes[i], self.steps[i], rounds)
         return Fused(weights, TrainResult(seen, metrics))
 
 
@@ -377,15 +416,6 @@ def _signature(batch: Any, per_example: bool = False) -> tuple[int, ...] | int:
 
 def _as_tuple(value: tuple[int, ...] | int) -> tuple[int, ...]:
     return value if isinstance(value, tuple) else (value,)
-
-
-def _unsqueeze(example: Any) -> Any:
-    """One example (tensors without their batch dimension) as a batch of one."""
-    if isinstance(example, torch.Tensor):
-        return example.unsqueeze(0)
-    if isinstance(example, tuple | list):
-        return type(example)(_unsqueeze(e) for e in example)
-    return {k: _unsqueeze(v) for k, v in example.items()}
 
 
 def _pad(batch: Any, size: int) -> Any:

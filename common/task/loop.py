@@ -6,6 +6,7 @@
             loss[, metrics] = task.loss(model, batch)
             (+ mu/2 * ||w - w_global||^2 when the strategy asks for a proximal term)
             backward, (+ c - c_i on every gradient when the strategy is SCAFFOLD), optimizer step
+            (train.dp_sgd: each example's gradient clipped, their sum noised instead: dpsgd.py)
 
 Metrics are accumulated on the device and read once at the end (no host sync per step):
 the last epoch's example-weighted means of the loss and of every metric `loss` returns.
@@ -22,16 +23,14 @@ from torch import nn
 from fedmq.common.strategy.contract import PROXIMAL_MU
 from fedmq.common.task.batches import Source, batch_size_of, source, to_device
 from fedmq.common.task.contract import EvalContext, EvalResult, TrainContext, TrainResult, TrainSettings
+from fedmq.common.task.dpsgd import PrivateGradients, epsilon_spent
+from fedmq.common.task.functional import split_loss
 from fedmq.common.task.scaffold import Controls
 
 if TYPE_CHECKING:
     from fedmq.common.task.contract import Task
 
 __all__ = ["PROXIMAL_MU", "evaluate_with_loss", "train_with_loss"]
-
-
-class LossError(TypeError):
-    """`loss` returned something other than a scalar tensor, optionally with a dict of metrics."""
 
 
 def make_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer | Sgd:
@@ -87,6 +86,7 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
     mu = float(ctx.config.get(PROXIMAL_MU, 0.0))
     anchors = _anchors(model, ctx.global_weights, ctx.device) if mu > 0 else []
     controls = Controls.for_round(model, ctx)
+    private = _private(task, model, src, ctx)
     steps, sums, seen = 0, _Sums(ctx.device), 0
     for _ in range(settings.epochs):
         sums, seen = _Sums(ctx.device), 0
@@ -94,9 +94,13 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
             batch = to_device(batch, ctx.device)
             size = batch_size_of(batch)
             optimizer.zero_grad(set_to_none=True)
-            loss, metrics = split_loss(task.loss(model, batch))  # type: ignore[attr-defined]
-            total = loss + mu / 2 * sum((p - a).pow(2).sum() for p, a in anchors) if anchors else loss
-            total.backward()
+            if private is not None:  # each example's gradient clipped, their sum noised
+                loss, metrics = private.backward(batch)
+                _add_proximal(anchors, mu)
+            else:
+                loss, metrics = split_loss(task.loss(model, batch))  # type: ignore[attr-defined]
+                total = loss + mu / 2 * sum((p - a).pow(2).sum() for p, a in anchors) if anchors else loss
+                total.backward()
             if controls is not None:
                 controls.correct()
             optimizer.step()
@@ -104,8 +108,36 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
             seen += size
             steps += 1
             if settings.max_steps is not None and steps >= settings.max_steps:
-                return _result(seen, sums, controls)
-    return _result(seen, sums, controls)
+                return _result(seen, sums, controls, _spent(src, ctx, steps))
+    return _result(seen, sums, controls, _spent(src, ctx, steps))
+
+
+def _private(task: Task, model: nn.Module, src: Source, ctx: TrainContext) -> PrivateGradients | None:
+    """DP-SGD's gradients when the spec asks for them; TypeError for data whose sampling rate is unknown."""
+    if ctx.train.dp_sgd is None:
+        return None
+    if not src.indexable:
+        raise TypeError(
+            "train.dp_sgd needs data fedmq cuts into batches itself (tensors, a dict of tensors or a "
+            "map-style Dataset): with an iterable such as a DataLoader its sampling rate is unknown"
+        )
+    return PrivateGradients(task, model, ctx)
+
+
+@torch.no_grad()
+def _add_proximal(anchors: list[tuple[torch.Tensor, torch.Tensor]], mu: float) -> None:
+    """FedProx's gradient mu·(w − w_global), added to a private gradient (it depends on no example)."""
+    for p, a in anchors:
+        if p.grad is not None:
+            p.grad.add_(p - a, alpha=mu)
+
+
+def _spent(src: Source, ctx: TrainContext, steps: int) -> dict[str, float]:
+    """DP-SGD's ε so far (dpsgd.py); {} without DP-SGD."""
+    dp = ctx.train.dp_sgd
+    if dp is None or src.size is None:
+        return {}
+    return epsilon_spent(dp, ctx.train.batch_size, src.size, steps, ctx.round)
 
 
 @torch.no_grad()
@@ -123,9 +155,10 @@ def evaluate_with_loss(task: Task, model: nn.Module, data: Any, ctx: EvalContext
     return EvalResult(seen, sums.means(seen))
 
 
-def _result(seen: int, sums: _Sums, controls: Controls | None) -> TrainResult:
-    """The round's result, with SCAFFOLD's control deltas as extras when it ran."""
-    return TrainResult(seen, sums.means(seen), controls.extras() if controls and controls.steps else {})
+def _result(seen: int, sums: _Sums, controls: Controls | None, spent: dict[str, float]) -> TrainResult:
+    """The round's result, with SCAFFOLD's control deltas as extras when it ran, and DP-SGD's ε."""
+    extras = controls.extras() if controls and controls.steps else {}
+    return TrainResult(seen, {**sums.means(seen), **spent}, extras)
 
 
 def on_device(src: Source, device: torch.device) -> Source:
@@ -134,20 +167,6 @@ def on_device(src: Source, device: torch.device) -> Source:
     if isinstance(data, torch.Tensor | tuple | list | Mapping) and src.indexable and device.type != "cpu":
         return Source(to_device(data, device), src.size, src.indexable)
     return src
-
-
-def split_loss(out: Any) -> tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]:
-    """`loss` → (scalar tensor, metrics); LossError for anything else."""
-    metrics: Any = {}
-    if isinstance(out, tuple) and len(out) == 2:
-        out, metrics = out
-    if not isinstance(out, torch.Tensor) or out.numel() != 1:
-        raise LossError(
-            f"loss() must return a scalar tensor, or (scalar tensor, dict of metrics); got {_describe(out)}"
-        )
-    if not isinstance(metrics, Mapping):
-        raise LossError(f"loss() metrics must be a dict of name -> tensor or float, got {_describe(metrics)}")
-    return out.reshape(()), metrics
 
 
 class _Sums:
@@ -177,9 +196,3 @@ def _anchors(
     """(parameter, its global value) pairs for the proximal term."""
     params = dict(model.named_parameters())
     return [(p, global_weights[name].to(device)) for name, p in params.items() if name in global_weights]
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"

@@ -37,6 +37,7 @@ from fedmq.common.task.contract import (
     has_loss,
     has_train,
 )
+from fedmq.common.task.dpsgd import EPSILON
 from fedmq.common.task.loop import train_with_loss
 from fedmq.common.task.metrics import check_metrics, check_rules
 from fedmq.common.usercode import UserCodeError, user_code
@@ -68,7 +69,12 @@ class TaskRuntime:
 
     @property
     def reductions(self) -> dict[str, str]:
-        return dict(self.task.metric_reduction)
+        """How each training metric combines over clients: the Task's rules, and DP-SGD's ε is the
+        largest (the round's guarantee is its weakest client's)."""
+        rules: dict[str, str] = dict(self.task.metric_reduction)
+        if self.spec.train.dp_sgd is not None:
+            rules[EPSILON] = "max"
+        return rules
 
     def build_model(self) -> nn.Module:
         """The Task's model with fedmq's seeded initial weights (the same in every process)."""
@@ -114,6 +120,11 @@ class TaskRuntime:
         ):
             _seed(derive_seed(self.spec.seed, "torch", ctx.round, ctx.client), ctx.device)
             if method == "train":
+                if ctx.train.dp_sgd is not None:
+                    raise TypeError(
+                        "train.dp_sgd is fedmq's loop's: a Task with its own train() trains as it likes; "
+                        "define loss() instead of train(), or remove train.dp_sgd from the spec"
+                    )
                 result = self.task.train(model, data.train, ctx)  # type: ignore[attr-defined]
             elif has_loss(self.task):
                 result = train_with_loss(self.task, model, data.train, ctx)

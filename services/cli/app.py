@@ -110,11 +110,16 @@ def load_spec(job: Path, rounds: int | None, seed: int | None, settings: Setting
 def check_task(spec: JobSpec, allowed: AllowList) -> None:
     """The Task's own check of the job (`Task.check_job`: more clients than samples); ConfigError."""
     from fedmq.common.allowlist import allowing
-    from fedmq.common.task.contract import DataContext
+    from fedmq.common.task.contract import DataContext, has_train
     from fedmq.common.task.loading import make_task
 
     name = spec.task.name
     task = make_task(name, spec.task.options, allowed)
+    if spec.train.dp_sgd is not None and has_train(task):
+        raise ConfigError(
+            f"task {name!r} defines its own train(), and train.dp_sgd is fedmq's loop's: define loss() "
+            "instead, or remove train.dp_sgd"
+        )
     try:
         with allowing(allowed):
             task.check_job(DataContext(client=-1, num_clients=spec.clients.total, seed=spec.seed))

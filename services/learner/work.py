@@ -258,10 +258,7 @@ class Work:
         return max(1, min(self.settings.fuse_clients, fits))
 
     def _train_settings(self, job: JobContext) -> TrainSettings:
-        t = job.spec.train
-        return TrainSettings(epochs=t.epochs, batch_size=t.batch_size, max_steps=t.max_steps,
-                             optimizer=t.optimizer, lr=t.lr, momentum=t.momentum,
-                             weight_decay=t.weight_decay, options=t.options)
+        return TrainSettings.from_spec(job.spec.train)
 
     def _context(
         self, job: JobContext, task: TrainTask, weights: dict[str, torch.Tensor],

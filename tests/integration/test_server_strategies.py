@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from fedmq.common.checkpoint import load_state
+from fedmq.common.privacy import epsilon
 from fedmq.common.settings import Settings
-from fedmq.services.aggregator.privacy import epsilon
 from fedmq.services.cli.embedded import run_job
 from tests.conftest import assert_bit_identical, small_job
 from tests.integration.test_pause import InterruptWhen

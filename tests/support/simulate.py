@@ -52,17 +52,7 @@ class Simulation:
 
 def settings(spec: JobSpec) -> TrainSettings:
     """The spec's train section as the Task sees it."""
-    t = spec.train
-    return TrainSettings(
-        epochs=t.epochs,
-        batch_size=t.batch_size,
-        max_steps=t.max_steps,
-        optimizer=t.optimizer,
-        lr=t.lr,
-        momentum=t.momentum,
-        weight_decay=t.weight_decay,
-        options=dict(t.options),
-    )
+    return TrainSettings.from_spec(spec.train)
 
 
 def simulate(

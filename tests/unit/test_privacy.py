@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from opacus.accountants.rdp import RDPAccountant
 
 from fedmq.common.errors import ConfigError
-from fedmq.services.aggregator.privacy import PrivacyAccountant, epsilon
+from fedmq.common.privacy import PrivacyAccountant, epsilon
 
 
 def opacus_epsilon(z: float, q: float, rounds: int, delta: float) -> float:

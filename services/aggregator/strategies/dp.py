@@ -11,7 +11,7 @@ releases costs one mechanism with multiplier z (Andrew et al., Theorem 1). The m
 kernels.private; noise is drawn only from `ctx.generator("dp")`, so runs are reproducible.
 
 Privacy: every round the strategy reports `epsilon`, the ε spent so far at the job's `delta`
-(Opacus's RDP accountant, services/aggregator/privacy.py), for multiplier z and sampling rate
+(Opacus's RDP accountant, common/privacy.py), for multiplier z and sampling rate
 q = clients sampled per round / total clients (the round's results plus its failures: fedmq
 samples `clients.per_round`). With z = 0 there is no privacy and no `epsilon`. The rounds spent,
 q and the adaptive bound persist in `state()`, so a restarted aggregator reports the same ε.
@@ -31,6 +31,7 @@ import torch
 from pydantic import Field, model_validator
 
 from fedmq.common.errors import AggregationError
+from fedmq.common.privacy import epsilon
 from fedmq.common.strategy.contract import (
     Aggregate,
     ClientFailed,
@@ -40,7 +41,6 @@ from fedmq.common.strategy.contract import (
     Strategy,
 )
 from fedmq.services.aggregator.kernels.private import ClipReport, adaptive_dp_fedavg, dp_fedavg
-from fedmq.services.aggregator.privacy import epsilon
 from fedmq.services.aggregator.strategies.options import BuiltinOptions
 
 ROUNDS = "dp.rounds"  # int64 scalar: rounds accounted

@@ -1,19 +1,22 @@
-"""Privacy accounting for DP-FedAvg: the (epsilon, delta) spent after some rounds.
+"""Privacy accounting: the (epsilon, delta) spent after some releases of the sampled Gaussian mechanism.
 
-Each round is one release of the sampled Gaussian mechanism: clients sampled at rate
-q = clients per round / total clients, noise multiplier z (with adaptive clipping, the job's z,
-not the update's z_Δ: Andrew et al.'s Theorem 1 makes the pair cost exactly one mechanism with z).
+Two mechanisms are accounted, each release one composition (`rounds` below counts them):
+- DP-FedAvg (the `dp` strategy): a round, with clients sampled at rate q = clients per round /
+  total clients and noise multiplier z (with adaptive clipping, the job's z, not the update's z_Δ:
+  Andrew et al.'s Theorem 1 makes the pair cost exactly one mechanism with z).
+- Local DP-SGD (`train.dp_sgd`, common/task/dpsgd.py): one optimizer step on one client, examples
+  sampled at rate q = batch size / the client's examples.
 The accountant is Opacus's Rényi-DP analysis (Mironov 2017; Mironov, Talwar and Zhang 2019), with
 Balle et al. 2020's RDP-to-(ε, δ) conversion over Opacus's default orders.
 
 Why Opacus rather than Google's dp-accounting: both carry the same RDP analysis (ported from
 TensorFlow Privacy), but dp-accounting 0.6 pins attrs < 24 (fedmq's test tools need a newer one)
-and pulls dm-tree and absl, while Opacus needs only torch, which fedmq already has; Opacus is also
-what a Task uses for local DP-SGD, so one library covers both. It is imported on first use:
-services that never account pay nothing.
+and pulls dm-tree and absl, while Opacus needs only torch, which fedmq already has. It is imported
+on first use: services that never account pay nothing.
 
-The analysis assumes Poisson sampling; fedmq samples a fixed number of clients per round, the
-usual approximation (McMahan et al. 2018 do the same).
+The analysis assumes Poisson sampling; fedmq samples a fixed number of clients per round and
+shuffles examples into fixed-size batches, the usual approximation (McMahan et al. 2018 and
+Abadi et al. 2016 do the same).
 """
 
 from __future__ import annotations
