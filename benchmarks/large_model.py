@@ -53,9 +53,11 @@ def main() -> None:
         spec.write_text(json.dumps({
             "name": "big-model",
             "seed": 0,
-            "model": {"entrypoint": "examples.plugins.big_mlp:build",
-                      "options": {"width": args.width, "depth": args.depth}},
-            "data": {"name": "digits", "partition": {"kind": "iid"}},
+            # The built-in digits Task with examples/plugins/big_mlp.py's model: an MLP of
+            # `depth` hidden layers of `width`.
+            "task": {"name": "digits", "options": {
+                "model": {"name": "mlp", "hidden": [args.width] * args.depth},
+                "partition": {"kind": "iid"}}},
             "clients": {"total": args.clients},
             "rounds": 1,
             "train": {"max_steps": 1, "lr": 0.01},
@@ -65,11 +67,13 @@ def main() -> None:
             c.wait_learners(args.learners)
             agg = c.procs["aggregator"].pid
             baseline = rss_kib(agg, "VmRSS")
+            learners = [c.procs[f"learner-{i}"].pid for i in range(args.learners)]
+            learner_baselines = [rss_kib(pid, "VmRSS") for pid in learners]
             started = time.perf_counter()
             submitted = c.fedmq("submit", str(spec), "--watch", timeout=1800)
             wall = time.perf_counter() - started
             peak = rss_kib(agg, "VmHWM")
-            learner_peaks = [rss_kib(c.procs[f"learner-{i}"].pid, "VmHWM") for i in range(args.learners)]
+            learner_peaks = [rss_kib(pid, "VmHWM") for pid in learners]
             codes = c.stop_all()
             stats = {name: bus_stats(c.log(name)) for name in c.procs}
         if submitted.returncode != 0:
@@ -93,7 +97,12 @@ def main() -> None:
         "aggregator_growth_mib": round(growth / MiB, 1),
         "aggregator_growth_vs_model": round(growth / model_bytes, 2),
         "aggregator_peak_vs_model": round(peak * 1024 / model_bytes, 2),
+        "learner_baseline_rss_mib": [round(b / 1024, 1) for b in learner_baselines],
         "learner_peak_rss_mib": [round(p / 1024, 1) for p in learner_peaks],
+        "learner_growth_vs_model": [
+            round((peak - idle) * 1024 / model_bytes, 2)
+            for idle, peak in zip(learner_baselines, learner_peaks, strict=True)
+        ],
         "submit_to_done_s": round(wall, 1),
         "clean_exit": all(code == 0 for code in codes.values()),
     }, indent=2))
