@@ -11,7 +11,7 @@ from fedmq.services.cli.embedded import run_job
 from tests.conftest import REPO, EmbeddedRuns, assert_bit_identical
 from tests.integration.conftest import Transport
 
-EXAMPLES = ["digits", "regression", "gan", "charlm"]
+EXAMPLES = ["digits", "digits-dp", "regression", "gan", "charlm"]
 
 
 def short(name: str) -> JobSpec:

@@ -41,7 +41,9 @@ def write(tmp_path: Path, text: str) -> Path:
 # --- valid specs ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("example", ["digits.yaml", "digits-100.yaml", "digits-shards.yaml"])
+@pytest.mark.parametrize(
+    "example", ["digits.yaml", "digits-100.yaml", "digits-shards.yaml", "digits-dp.yaml"]
+)
 def test_every_shipped_example_loads(example: str) -> None:
     spec = load_job(EXAMPLES / example)
     assert isinstance(spec, JobSpec)
@@ -391,3 +393,14 @@ def test_exponent_numbers_without_a_dot_read_as_floats_as_users_write_them(tmp_p
     assert spec.train.lr == 0.05
     assert spec.strategy.options == {"delta": 1e-5, "clip_norm": 2.0}
     assert strategy_options(spec.strategy.name, spec.strategy.options) is not None
+
+
+def test_dp_sgd_needs_a_clip_norm_and_a_noise_multiplier_and_names_each_bad_value() -> None:
+    message = refusal(minimal(train={"dp_sgd": {"clip_norm": 0, "noise_multiplier": -1, "delta": 1}}))
+    assert "train.dp_sgd.clip_norm: Input should be greater than 0" in message
+    assert "train.dp_sgd.noise_multiplier: Input should be greater than or equal to 0" in message
+    assert "train.dp_sgd.delta: Input should be less than 1" in message
+    missing = refusal(minimal(train={"dp_sgd": {"clip_norm": 1}}))
+    assert "train.dp_sgd.noise_multiplier: Field required" in missing
+    spec = parse_job(minimal(train={"dp_sgd": {"clip_norm": 0.5, "noise_multiplier": 1.2}}))
+    assert spec.train.dp_sgd is not None and spec.train.dp_sgd.delta == 1e-5
