@@ -68,6 +68,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fused.py
 	$(BIN)/python benchmarks/fused_run.py
 	$(BIN)/python benchmarks/many_clients.py
+	$(BIN)/python benchmarks/first_round.py
 
 clean:
 	rm -rf $(VENV) .fedmq .pytest_cache .mypy_cache .hypothesis

@@ -42,14 +42,13 @@ from fedmq.common.task.batches import Source, batch_size_of, source, to_device
 from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
 from fedmq.common.task.dpsgd import draw_noise, epsilon_spent, noise_generator, private_gradient, refuse_model
 from fedmq.common.task.functional import LossCall, loss_with_aux, unsqueeze
+from fedmq.common.task.optimizers import ADAM_BETAS, ADAM_EPS
 
 if TYPE_CHECKING:
     from fedmq.common.task.contract import Task
 
 __all__ = ["Fused", "can_fuse", "group_size", "train_fused"]
 
-ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which the sequential loop uses
-ADAM_EPS = 1e-8
 
 
 @dataclass(frozen=True)

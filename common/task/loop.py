@@ -14,7 +14,7 @@ the last epoch's example-weighted means of the loss and of every metric `loss` r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,59 +22,16 @@ from torch import nn
 
 from fedmq.common.strategy.contract import PROXIMAL_MU
 from fedmq.common.task.batches import Source, batch_size_of, source, to_device
-from fedmq.common.task.contract import EvalContext, EvalResult, TrainContext, TrainResult, TrainSettings
+from fedmq.common.task.contract import EvalContext, EvalResult, TrainContext, TrainResult
 from fedmq.common.task.dpsgd import PrivateGradients, epsilon_spent
 from fedmq.common.task.functional import split_loss
+from fedmq.common.task.optimizers import make_optimizer
 from fedmq.common.task.scaffold import Controls
 
 if TYPE_CHECKING:
     from fedmq.common.task.contract import Task
 
 __all__ = ["PROXIMAL_MU", "evaluate_with_loss", "train_with_loss"]
-
-
-def make_optimizer(model: nn.Module, settings: TrainSettings) -> torch.optim.Optimizer | Sgd:
-    """The optimizer the spec names, over the model's parameters."""
-    if settings.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-    return Sgd(model.parameters(), settings.lr, settings.momentum, settings.weight_decay)
-
-
-class Sgd:
-    """torch.optim.SGD's step as its single-tensor path computes it (no dampening, no Nesterov), the
-    same bits, without the machinery around each call (hooks, profiler records, checks): on a
-    small model that machinery cost as much as the step (a digits client trained 1.5x slower)."""
-
-    def __init__(
-        self, params: Iterable[torch.Tensor], lr: float, momentum: float, weight_decay: float
-    ) -> None:
-        self.params = list(params)
-        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
-        self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if set_to_none or p.grad is None:
-                p.grad = None
-            else:
-                p.grad.detach_().zero_()
-
-    def step(self) -> None:
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                grad = p.grad
-                if grad is None:
-                    continue
-                if self.weight_decay != 0:
-                    grad = grad.add(p, alpha=self.weight_decay)
-                if self.momentum != 0:
-                    buf = self.buffers[i]
-                    if buf is None:
-                        buf = self.buffers[i] = grad.detach().clone()
-                    else:
-                        buf.mul_(self.momentum).add_(grad, alpha=1)
-                    grad = buf
-                p.add_(grad, alpha=-self.lr)
 
 
 def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) -> TrainResult:

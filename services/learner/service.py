@@ -108,9 +108,6 @@ class LearnerService:
         return self.work.fetches
 
     def start(self) -> None:
-        # torch imports its compiler stack (~2 s here) on the first torch.optim optimizer it builds
-        # (Adam's; the loop's SGD is its own): pay that at start-up, not inside the first round.
-        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         # A daemon thread: a stopping process does not wait for a half-done training step.
         self._worker = threading.Thread(target=self._work, name=f"train-{self.replica}", daemon=True)
         self._worker.start()

@@ -1,0 +1,51 @@
+"""The training loop's own SGD and Adam: torch.optim's steps, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fedmq.common.task.optimizers import Adam, Sgd
+
+
+@pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.9, 0.0), (0.9, 1e-3), (0.0, 1e-2)])
+def test_the_loops_sgd_takes_torch_optims_steps_bit_for_bit(momentum: float, weight_decay: float) -> None:
+    torch.manual_seed(0)
+    mine = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    theirs = copy.deepcopy(mine)
+    mine[0].bias.requires_grad_(False)  # a frozen parameter: no gradient, left alone by both
+    theirs[0].bias.requires_grad_(False)
+    ours = Sgd(mine.parameters(), 0.05, momentum, weight_decay)
+    torch_sgd = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=momentum, weight_decay=weight_decay)
+    for step in range(5):
+        x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+        for model, opt in ((mine, ours), (theirs, torch_sgd)):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        for a, b in zip(mine.parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(a, b), f"step {step}"
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
+def test_the_loops_adam_takes_torch_optims_steps_bit_for_bit(weight_decay: float) -> None:
+    torch.manual_seed(0)
+    mine = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    theirs = copy.deepcopy(mine)
+    ours = Adam(mine.parameters(), 0.01, weight_decay)
+    torch_adam = torch.optim.Adam(theirs.parameters(), lr=0.01, weight_decay=weight_decay, foreach=False)
+    for step in range(12):
+        x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+        # The last layer's bias sits out every third step: its own step count falls behind.
+        skip = step % 3 == 2
+        for model, opt in ((mine, ours), (theirs, torch_adam)):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            if skip:
+                model[2].bias.grad = None
+            opt.step()
+        for a, b in zip(mine.parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(a, b), f"step {step}"
