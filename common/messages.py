@@ -463,15 +463,26 @@ TENSOR_FIELDS = ("weights", "extras", "state", "delta")  # name -> tensor maps, 
 
 def to_wire(msg: Message) -> bytes:
     """Encode a message; tensors inside its tensor fields go through the codec's tensor extension."""
+    return to_wire_parts(msg).join()
+
+
+def to_wire_parts(msg: Message) -> codec.Encoded:
+    """to_wire's encoding as parts that view the message's tensors: a large message is published
+    chunk by chunk from them, never joined into one copy (keep the tensors unchanged till then)."""
     fields = msg.model_dump(exclude=set(TENSOR_FIELDS))
     for name in TENSOR_FIELDS:
         if name in type(msg).model_fields:
             fields[name] = getattr(msg, name)
-    return codec.packb(fields)
+    return codec.packb_parts(fields)
 
 
-def from_wire(data: bytes | memoryview, *, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> Message:
-    """Decode and schema-check a message; anything wrong raises DecodeError."""
+def from_wire(
+    data: bytes | bytearray | memoryview | codec.Encoded, *, max_bytes: int = codec.DEFAULT_MAX_BYTES
+) -> Message:
+    """Decode and schema-check a message (bytes, or an encoding still in parts); anything wrong
+    raises DecodeError."""
+    if isinstance(data, codec.Encoded):
+        data = data.join()
     return _validated(codec.unpackb(data, max_bytes=max_bytes))
 
 

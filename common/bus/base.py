@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedmq.common.codec.pack import Encoded
+
 
 @dataclass(eq=False)
 class Delivery(ABC):
@@ -46,6 +48,9 @@ class Delivery(ABC):
 
 
 Handler = Callable[[Delivery], None]
+# What may be published: bytes, or an encoding still in its parts (a large message is sent from
+# them chunk by chunk, never joined; its tensors must not change until publish returns).
+Body = bytes | Encoded
 EventHandler = Callable[[bytes], None]
 
 
@@ -64,7 +69,7 @@ class Bus(ABC):
     def publish(
         self,
         queue: str,
-        body: bytes,
+        body: Body,
         *,
         reply_to: str | None = None,
         correlation_id: str | None = None,
@@ -93,7 +98,7 @@ class Bus(ABC):
         """Publish with a reply address and wait for the reply; raises TimeoutError."""
 
     @abstractmethod
-    def reply(self, delivery: Delivery, body: bytes) -> None:
+    def reply(self, delivery: Delivery, body: Body) -> None:
         """Answer a request delivered to this bus."""
 
     @abstractmethod

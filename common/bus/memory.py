@@ -25,7 +25,8 @@ from typing import Any
 
 import structlog
 
-from fedmq.common.bus.base import Bus, Delivery, EventHandler, Handler, Timer, topic_matches
+from fedmq.common.bus.base import Body, Bus, Delivery, EventHandler, Handler, Timer, topic_matches
+from fedmq.common.codec.pack import Encoded
 
 log = structlog.get_logger(__name__)
 
@@ -225,12 +226,14 @@ class MemoryBus(Bus):
     def publish(
         self,
         queue: str,
-        body: bytes,
+        body: Body,
         *,
         reply_to: str | None = None,
         correlation_id: str | None = None,
         headers: dict[str, Any] | None = None,
     ) -> None:
+        if isinstance(body, Encoded):
+            body = body.join()  # now: the message is delivered later, its tensors may change before
         if not isinstance(body, bytes):
             raise TypeError("message bodies must be bytes")
         self.broker._publish(queue, _Message(body, reply_to, correlation_id, dict(headers or {}), self.user))
@@ -260,7 +263,7 @@ class MemoryBus(Bus):
             with self.broker._lock:
                 self.broker._waiters.pop(address, None)
 
-    def reply(self, delivery: Delivery, body: bytes) -> None:
+    def reply(self, delivery: Delivery, body: Body) -> None:
         if delivery.reply_to:
             self.publish(delivery.reply_to, body, correlation_id=delivery.correlation_id)
 

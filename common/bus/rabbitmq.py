@@ -1,9 +1,10 @@
 """RabbitMQ bus over pika's BlockingConnection, with the in-memory bus's contract.
 
 Publishing waits for the broker's confirm; a body over the frame size goes as a
-blob. Requests wait for a reply on this bus's exclusive reply queue, bound to
-fedmq.x.reply. Every message goes through a named exchange (topology.py) and carries
-this connection's broker user in `user_id`, which RabbitMQ checks. The parts:
+blob, cut from its encoded parts (codec.Encoded) without joining them. Requests
+wait for a reply on this bus's exclusive reply queue, bound to fedmq.x.reply. Every
+message goes through a named exchange (topology.py) and carries this connection's broker
+user in `user_id`, which RabbitMQ checks. The parts:
 
     connection.py   the connection, its loop thread, timers, reconnects, the hand-off
     consumers.py    consumers and subscriptions, and settling (ack, reject, requeue)
@@ -26,10 +27,11 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
 from fedmq.common.bus import topology
-from fedmq.common.bus.base import Bus, Delivery, EventHandler, Handler, Timer
-from fedmq.common.bus.blob import H_BLOB, BlobReader, DecodeBlobError, publish_blob
+from fedmq.common.bus.base import Body, Bus, Delivery, EventHandler, Handler, Timer
+from fedmq.common.bus.blob import H_BLOB, BlobReader, BlobWriter, DecodeBlobError
 from fedmq.common.bus.connection import BrokerConnection
 from fedmq.common.bus.consumers import Consumers
+from fedmq.common.codec.pack import Encoded
 from fedmq.common.settings import Settings
 
 log = structlog.get_logger("fedmq.bus")
@@ -45,6 +47,9 @@ class RabbitBus(Bus):
         self._blobs = BlobReader(
             lambda: self._link.conn,
             max_bytes=settings.max_message_bytes, on_chunk=self._count_received,
+        )
+        self._writer = BlobWriter(
+            lambda: self._link.conn, frame_bytes=settings.frame_bytes, expiry_s=settings.blob_expiry_s
         )
         self._consumers = Consumers(
             self._link, self._blobs, frame_bytes=settings.frame_bytes,
@@ -121,6 +126,7 @@ class RabbitBus(Bus):
             if not future.done():
                 future.set_exception(ConnectionError("connection to the broker was lost"))
         self._blobs.forget()
+        self._writer.forget()
 
     # -- consuming ------------------------------------------------------------
 
@@ -139,14 +145,14 @@ class RabbitBus(Bus):
     def publish(
         self,
         queue: str,
-        body: bytes,
+        body: Body,
         *,
         reply_to: str | None = None,
         correlation_id: str | None = None,
         headers: dict[str, Any] | None = None,
     ) -> None:
-        if not isinstance(body, bytes):
-            raise TypeError("message bodies must be bytes")
+        if not isinstance(body, bytes | Encoded):
+            raise TypeError("message bodies must be bytes (or codec.Encoded)")
         exchange = topology.exchange_for(queue)
         props = self._props(
             delivery_mode=2, reply_to=reply_to, correlation_id=correlation_id, headers=headers
@@ -184,7 +190,7 @@ class RabbitBus(Bus):
             headers=headers or None, user_id=self._link.user or None,
         )
 
-    def reply(self, delivery: Delivery, body: bytes) -> None:
+    def reply(self, delivery: Delivery, body: Body) -> None:
         if not delivery.reply_to:
             return
         props = self._props(delivery_mode=1, correlation_id=delivery.correlation_id)
@@ -212,19 +218,19 @@ class RabbitBus(Bus):
         finally:
             self._waiters.pop(correlation_id, None)
 
-    def _send(self, exchange: str, key: str, body: bytes, props: Any, mandatory: bool) -> None:
+    def _send(self, exchange: str, key: str, body: Body, props: Any, mandatory: bool) -> None:
         """Publish on the loop thread, as a blob when the body is over the frame size."""
         ch = self._link.channel
         if ch is None:
             raise pika.exceptions.ChannelWrongStateError("not connected")
-        if len(body) <= self.settings.frame_bytes:
-            ch.basic_publish(exchange, key, body, props, mandatory=mandatory)
-            self._count_sent(len(body))
+        encoded = body if isinstance(body, Encoded) else Encoded([body])
+        if encoded.size <= self.settings.frame_bytes:
+            ch.basic_publish(exchange, key, encoded.join(), props, mandatory=mandatory)
+            self._count_sent(encoded.size)
             return
         self.stats["blobs_sent"] += 1
-        publish_blob(ch, exchange, key, body, props, mandatory=mandatory,
-                     frame_bytes=self.settings.frame_bytes, expiry_s=self.settings.blob_expiry_s,
-                     on_chunk=self._count_sent, on_orphan=self._orphans.append)
+        self._writer.publish(ch, exchange, key, encoded, props, mandatory=mandatory,
+                             on_chunk=self._count_sent, on_orphan=self._orphans.append)
 
     def _on_reply(self, ch: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
         headers = dict(props.headers or {})

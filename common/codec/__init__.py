@@ -11,18 +11,20 @@ plane can use the codec without it. One layer per module::
 """
 
 from fedmq.common.codec.files import TensorFile, index_tensors, unpack_file
-from fedmq.common.codec.pack import DEFAULT_MAX_BYTES, packb, unpackb
+from fedmq.common.codec.pack import DEFAULT_MAX_BYTES, Encoded, packb, packb_parts, unpackb
 from fedmq.common.codec.state import decode_state, encode_state, state_digest
 from fedmq.common.codec.tensors import TENSOR_EXT
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "Encoded",
     "TENSOR_EXT",
     "TensorFile",
     "decode_state",
     "encode_state",
     "index_tensors",
     "packb",
+    "packb_parts",
     "state_digest",
     "unpack_file",
     "unpackb",

@@ -31,12 +31,35 @@ _MAX_DEPTH = 512  # msgpack cannot unpack much deeper nesting, so refuse to pack
 _FLAT_TYPES = frozenset({type(None), bool, int, float, str, bytes})
 
 
+class Encoded:
+    """An encoding as the parts it is made of, in order: tensor data is viewed, not copied.
+
+    A large message can be sent chunk by chunk from these parts without ever being joined
+    into one buffer. The views read the tensors as they are when read: change no tensor
+    until the parts have been sent (or joined).
+    """
+
+    def __init__(self, parts: list[bytes | memoryview]) -> None:
+        self.parts = parts
+        self.size = sum(part.nbytes if isinstance(part, memoryview) else len(part) for part in parts)
+
+    def join(self) -> bytes:
+        """The whole encoding in one bytes object (copies the tensor data once)."""
+        only = self.parts[0] if len(self.parts) == 1 else None
+        return only if isinstance(only, bytes) else b"".join(self.parts)
+
+
 def packb(obj: Any) -> bytes:
     """Encode obj as msgpack; a tensor anywhere in its dicts, lists or tuples becomes a tensor ext.
 
     Raises TypeError for objects msgpack cannot represent and for map keys that
     are not str or int. Tensor data is copied once, into the returned bytes.
     """
+    return packb_parts(obj).join()
+
+
+def packb_parts(obj: Any) -> Encoded:
+    """packb's encoding, not joined: the parts refer to the tensors' data (see Encoded)."""
     # If torch was never imported no tensor can exist, so the control plane never pays for it.
     tensor_type = getattr(sys.modules.get("torch"), "Tensor", None)
     writer = _Writer(tensor_type)
@@ -77,7 +100,7 @@ def unpack_options(size: int) -> dict[str, Any]:
 
 
 class _Writer:
-    """Collects encoded chunks; tensor data is kept by reference, so one join copies it."""
+    """Collects encoded chunks; tensor data is kept by reference, so one join (if any) copies it."""
 
     def __init__(self, tensor_type: type[torch.Tensor] | None) -> None:
         self._tensor_type = tensor_type
@@ -111,12 +134,9 @@ class _Writer:
         else:
             packer.pack(obj)
 
-    def finish(self) -> bytes:
-        """Return everything written as one bytes object."""
-        if not self._chunks:
-            return self._packer.bytes()
-        self._chunks.append(self._packer.bytes())
-        return b"".join(self._chunks)
+    def finish(self) -> Encoded:
+        """Everything written, as parts in order."""
+        return Encoded([*self._chunks, self._packer.bytes()])
 
 
 def _ext_prefix(size: int) -> bytes:

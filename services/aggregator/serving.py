@@ -13,7 +13,7 @@ from pathlib import Path
 
 import structlog
 
-from fedmq.common.bus.base import Bus, Delivery
+from fedmq.common.bus.base import Body, Bus, Delivery
 from fedmq.common.errors import DecodeError, ValidationError
 from fedmq.common.messages import (
     ClientStateGet,
@@ -23,6 +23,7 @@ from fedmq.common.messages import (
     ModelReply,
     from_wire,
     to_wire,
+    to_wire_parts,
 )
 from fedmq.common.senders import check_sender, check_site_sender
 from fedmq.common.statefiles import JOB_ID
@@ -32,7 +33,8 @@ from fedmq.services.aggregator.store import JobStore
 log = structlog.get_logger("fedmq.aggregator")
 
 # The encoded global model is kept for repeat fetches only while small: a large one would
-# cost another copy of the model for the whole round.
+# cost another copy of the model for the whole round. A large one is sent from its encoded
+# parts, which view the model's own tensors: never a copy of the model at all.
 REPLY_CACHE_BYTES = 64 * 1024 * 1024
 
 
@@ -67,7 +69,7 @@ class ModelServer:
         self.bus.reply(delivery, body)
         delivery.ack()
 
-    def reply(self, req: ModelGet) -> bytes:
+    def reply(self, req: ModelGet) -> Body:
         """The encoded ModelReply for `req`."""
         job = self.jobs.get(req.job_id)
         if job is None:
@@ -76,16 +78,16 @@ class ModelServer:
             return self._current(job)
         if job.store.find_weights(req.digest) is not None:
             weights = job.store.load_weights(req.digest)
-            return to_wire(ModelReply(job_id=req.job_id, digest=req.digest, weights=weights))
+            return to_wire_parts(ModelReply(job_id=req.job_id, digest=req.digest, weights=weights))
         return to_wire(ModelReply(job_id=req.job_id, digest=req.digest, error="unknown model"))
 
-    def _ddp_reply(self, req: ModelGet) -> bytes:
+    def _ddp_reply(self, req: ModelGet) -> Body:
         """A DDP job's checkpoint or model by digest; 'unknown job' for anything else."""
         if self.ddp_root is not None and JOB_ID.fullmatch(req.job_id):
             store = JobStore(self.ddp_root, req.job_id)
             if store.find_weights(req.digest) is not None:
                 weights = store.load_weights(req.digest)
-                return to_wire(ModelReply(job_id=req.job_id, digest=req.digest, weights=weights))
+                return to_wire_parts(ModelReply(job_id=req.job_id, digest=req.digest, weights=weights))
         return to_wire(ModelReply(job_id=req.job_id, digest=req.digest, error="unknown job"))
 
     def client_state(self, req: ClientStateGet, user_id: str | None = None) -> bytes:
@@ -113,14 +115,17 @@ class ModelServer:
         """The job's model changed: drop the reply kept for the old one."""
         self._cache.pop(job_id, None)
 
-    def _current(self, job: AggJob) -> bytes:
-        """The reply for the job's current model, encoded once per round while it is small."""
+    def _current(self, job: AggJob) -> Body:
+        """The reply for the job's current model, encoded once per round while it is small; a large
+        one in parts viewing the model, sent before this (the loop) thread can change the model."""
         cached = self._cache.get(job.job_id)
         if cached is not None and cached[0] == job.digest:
             return cached[1]
-        body = to_wire(ModelReply(job_id=job.job_id, digest=job.digest, weights=dict(job.weights)))
-        if len(body) <= REPLY_CACHE_BYTES:
-            self._cache[job.job_id] = (job.digest, body)
+        parts = to_wire_parts(ModelReply(job_id=job.job_id, digest=job.digest, weights=dict(job.weights)))
+        if parts.size > REPLY_CACHE_BYTES:
+            return parts
+        body = parts.join()
+        self._cache[job.job_id] = (job.digest, body)
         return body
 
 

@@ -33,7 +33,7 @@ import torch
 
 from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
-from fedmq.common.bus.base import Bus, Delivery
+from fedmq.common.bus.base import Body, Bus, Delivery
 from fedmq.common.errors import BrokerUnavailable, DecodeError, FedmqError, ValidationError
 from fedmq.common.groups import group_of, groupable
 from fedmq.common.messages import (
@@ -53,6 +53,7 @@ from fedmq.common.messages import (
     expect,
     from_wire,
     to_wire,
+    to_wire_parts,
 )
 from fedmq.common.metrics import Metrics
 from fedmq.common.senders import check_sender
@@ -315,7 +316,7 @@ class LearnerService:
         log.error("task_crashed", error=f"{type(exc).__name__}: {exc}"[:500], exc_info=exc)
         return self._failure(task, "error", f"{type(exc).__name__}: {exc}")
 
-    def _send(self, delivery: Delivery, reply: tuple[str, bytes]) -> None:
+    def _send(self, delivery: Delivery, reply: tuple[str, Body]) -> None:
         """Publish a task's reply, then ack the task; a publish not confirmed returns the task."""
         if self._stopping:
             return  # the task goes back to the queue with our connection
@@ -350,11 +351,14 @@ class LearnerService:
                 delay = min(delay * 2, self.settings.retry_max_s)
         return work()
 
-    def _do(self, task: Task) -> tuple[str, bytes]:
-        """The reply a task gets: an EvalReport for the scheduler, a ClientUpdate for the aggregator."""
+    def _do(self, task: Task) -> tuple[str, Body]:
+        """The reply a task gets: an EvalReport for the scheduler, a ClientUpdate for the aggregator.
+
+        The update stays in its encoded parts, which view the trained model's tensors: it is sent
+        chunk by chunk from them (no copy of the model), before this thread trains again."""
         if isinstance(task, EvalTask):
             return topology.SCHEDULER, to_wire(self.work.evaluate(task))
-        return topology.AGGREGATOR, to_wire(self.work.train(task))
+        return topology.AGGREGATOR, to_wire_parts(self.work.train(task))
 
     def _failure(
         self, task: Task, code: str, reason: str, error: UserError | None = None

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmq.common.bus import topology
-from fedmq.common.bus.base import Bus
+from fedmq.common.bus.base import Body, Bus
 from fedmq.common.checkpoint import load_state
 from fedmq.common.groups import group_of, members
 from fedmq.common.messages import ClientUpdate, GroupUpdate, from_wire, to_wire
@@ -60,7 +60,7 @@ def regrouping(connect: Callable[[str], Bus]) -> Callable[[str], Bus]:
             return bus
         publish = bus.publish
 
-        def publish_regrouped(queue: str, body: bytes, **kwargs: Any) -> None:
+        def publish_regrouped(queue: str, body: Body, **kwargs: Any) -> None:
             msg = from_wire(body) if queue == topology.AGGREGATOR else None
             if isinstance(msg, GroupUpdate):
                 updates = members(msg)

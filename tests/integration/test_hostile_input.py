@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fedmq.common.bus import topology
+from fedmq.common.bus.base import Body
 from fedmq.common.bus.blob import H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
@@ -42,7 +43,7 @@ class DoublingBus(RabbitBus):
 
     gated_client = -1
 
-    def publish(self, queue: str, body: bytes, **kwargs: Any) -> None:
+    def publish(self, queue: str, body: Body, **kwargs: Any) -> None:
         super().publish(queue, body, **kwargs)
         msg = from_wire(body) if queue == topology.AGGREGATOR else None
         if isinstance(msg, ClientUpdate) and msg.round == 2 and msg.client != self.gated_client:

@@ -8,6 +8,7 @@ from typing import Any
 import pika.exceptions
 import pytest
 
+from fedmq.common.bus.base import Body
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
 from fedmq.common.messages import JobEvent, RoundClose, RoundOpen, from_wire
@@ -137,7 +138,7 @@ def test_a_publish_the_broker_cut_off_is_made_again_when_the_message_that_led_to
     failed: list[int] = []
 
     class LosesTheBrokerOnce(RabbitBus):
-        def publish(self, queue: str, body: bytes, **kwargs: Any) -> None:
+        def publish(self, queue: str, body: Body, **kwargs: Any) -> None:
             msg = from_wire(body)
             if isinstance(msg, lost) and msg.round == 2 and not failed:
                 failed.append(msg.round)

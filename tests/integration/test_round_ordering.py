@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from fedmq.common.bus import topology
+from fedmq.common.bus.base import Body
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
 from fedmq.common.messages import ClientUpdate, ModelGet, RoundOpen, from_wire
@@ -31,11 +32,11 @@ class HeldOpens:
 
     def __init__(self, server_round: int) -> None:
         self.round = server_round
-        self.held: list[tuple[RabbitBus, bytes]] = []
+        self.held: list[tuple[RabbitBus, Body]] = []
         self.released = threading.Event()
         self._lock = threading.Lock()
 
-    def hold(self, bus: RabbitBus, queue: str, body: bytes) -> bool:
+    def hold(self, bus: RabbitBus, queue: str, body: Body) -> bool:
         if queue != topology.AGGREGATOR or self.released.is_set():
             return False
         msg = from_wire(body)
@@ -45,7 +46,7 @@ class HeldOpens:
             self.held.append((bus, body))
         return True
 
-    def release(self, queue: str, body: bytes) -> None:
+    def release(self, queue: str, body: Body) -> None:
         """Called once an update is confirmed: the RoundOpen goes behind it on the queue."""
         if queue != topology.AGGREGATOR or self.released.is_set():
             return
@@ -66,12 +67,12 @@ def test_an_update_that_arrives_before_its_round_open_waits_for_it_and_counts(
     opens = HeldOpens(server_round=2)
 
     class Scheduler(RabbitBus):
-        def publish(self, queue: str, body: bytes, **kwargs: Any) -> None:
+        def publish(self, queue: str, body: Body, **kwargs: Any) -> None:
             if not opens.hold(self, queue, body):
                 super().publish(queue, body, **kwargs)
 
     class Learner(RabbitBus):
-        def publish(self, queue: str, body: bytes, **kwargs: Any) -> None:
+        def publish(self, queue: str, body: Body, **kwargs: Any) -> None:
             super().publish(queue, body, **kwargs)
             opens.release(queue, body)
 

@@ -20,9 +20,10 @@ from fedmq.common.bus.blob import (
     H_INDEX,
     H_SIZE,
     BlobReader,
+    BlobWriter,
     DecodeBlobError,
-    publish_blob,
 )
+from fedmq.common.codec.pack import Encoded
 
 BODY = bytes(range(256)) * 3 + b"tail"  # 772 bytes: 8 chunks of 100, the last short
 ORPHANS: list[str] = []  # blob queues a failed send could not delete (on_orphan)
@@ -80,6 +81,12 @@ class FakeChannel:
     def queue_delete(self, queue: str) -> None:
         self.queues.pop(queue, None)
 
+    def tx_select(self) -> None:
+        pass
+
+    def tx_commit(self) -> None:
+        pass
+
 
 class FakeConnection:
     def __init__(self, ch: FakeChannel) -> None:
@@ -92,7 +99,19 @@ class FakeConnection:
         return self.ch
 
 
-def sent(body: bytes = BODY, frame: int = 100) -> tuple[FakeChannel, dict[str, Any], list[int]]:
+def publish_blob(
+    ch: FakeChannel, exchange: str, key: str, body: bytes | Encoded, props: pika.BasicProperties, *,
+    mandatory: bool, frame_bytes: int, expiry_s: int, on_chunk: Any, on_orphan: Any,
+) -> None:
+    """A BlobWriter's publish, its chunks on the same stand-in channel as the envelope."""
+    conn = FakeConnection(ch)
+    writer = BlobWriter(lambda: conn, frame_bytes=frame_bytes, expiry_s=expiry_s)
+    encoded = body if isinstance(body, Encoded) else Encoded([body])
+    writer.publish(ch, exchange, key, encoded, props, mandatory=mandatory,
+                   on_chunk=on_chunk, on_orphan=on_orphan)
+
+
+def sent(body: bytes | Encoded = BODY, frame: int = 100) -> tuple[FakeChannel, dict[str, Any], list[int]]:
     """Publish `body` as a blob; the channel, the envelope's headers and the chunk sizes counted."""
     ch = FakeChannel()
     counted: list[int] = []
@@ -123,6 +142,34 @@ def test_a_blob_is_read_back_whole_in_memory_and_each_chunk_is_counted() -> None
     assert blobs.read(headers, tags) == BODY
     assert tags == list(range(1, 9))
     assert read_sizes == sent_sizes == [100] * 7 + [72]
+
+
+def test_a_body_in_parts_goes_in_the_same_chunks_as_joined() -> None:
+    parts: list[bytes | memoryview] = [BODY[:33], memoryview(BODY[33:250]), b"", memoryview(BODY)[250:]]
+    ch, headers, sent_sizes = sent(Encoded(parts))
+    assert (headers[H_COUNT], headers[H_SIZE]) == (8, len(BODY))
+    assert headers[H_DIGEST] == hashlib.sha256(BODY).hexdigest()
+    assert sent_sizes == [100] * 7 + [72]
+    assert reader(ch)[0].read(headers, []) == BODY
+
+
+class LosingChannel(FakeChannel):
+    """Drops the fourth chunk without a word, as the broker drops an unroutable one unconfirmed."""
+
+    def basic_publish(
+        self, exchange: str, key: str, body: bytes, props: pika.BasicProperties, mandatory: bool = False
+    ) -> None:
+        if (props.headers or {}).get(H_INDEX) != 3:
+            super().basic_publish(exchange, key, body, props, mandatory)
+
+
+def test_a_blob_missing_a_chunk_after_its_commit_sends_no_envelope_and_is_deleted() -> None:
+    ch = LosingChannel()
+    with pytest.raises(pika.exceptions.UnroutableError):
+        publish_blob(ch, "fedmq.x.aggregator", "fedmq.aggregator", BODY, pika.BasicProperties(),
+                     mandatory=True, frame_bytes=100, expiry_s=600, on_chunk=lambda n: None,
+                     on_orphan=ORPHANS.append)
+    assert ch.envelopes == [] and ch.queues == {}
 
 
 def test_a_blob_is_read_back_into_a_file_in_the_spool(tmp_path: Path) -> None:
