@@ -121,7 +121,8 @@ class Settings(BaseSettings):
         "users only; a site not listed, from any learner user",
     )
     data_cache_clients: int = Field(
-        64, ge=1, description="clients whose data a learner keeps loaded at once (least recently used goes)"
+        64, ge=1, description="clients whose data a learner keeps loaded at once (least recently used goes); "
+        "at least fuse_clients"
     )
     fuse_clients: int = Field(
         1, ge=1, description="tasks a learner takes at once (its prefetch) to train together, for jobs with "

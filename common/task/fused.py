@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from fedmq.common.strategy.contract import PROXIMAL_MU, SCAFFOLD
+from fedmq.common.task.bank import Bank
 from fedmq.common.task.batches import Source, batch_size_of, source, to_device
 from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
 from fedmq.common.task.dpsgd import draw_noise, epsilon_spent, noise_generator, private_gradient, refuse_model
@@ -140,8 +141,11 @@ class _Trainer:
             {n: ctxs[0].global_weights[n].to(device) for n in self.names if n in ctxs[0].global_weights}
             if mu > 0 else {}
         )
+        # Tensor data: batches are index slices into one bank of the group's examples (bank.py).
+        self.bank = Bank.of(sources, device)
         self.streams = [
-            _stream(src, self.settings, ctx.generator) for src, ctx in zip(sources, ctxs, strict=True)
+            _stream(src, self.settings, ctx.generator, self.bank is not None)
+            for src, ctx in zip(sources, ctxs, strict=True)
         ]
         self.totals: dict[str, torch.Tensor] = {}  # name -> each client's example-weighted sum, this epoch
         self.seen = [0] * self.count
@@ -218,12 +222,15 @@ class _Trainer:
                 item = next(stream, None)
                 if item is not None:
                     batch, new_epoch = item
-                    pending.setdefault(_signature(batch), []).append((i, batch, new_epoch))
+                    key = len(batch) if self.bank is not None else _signature(batch)
+                    pending.setdefault(key, []).append((i, batch, new_epoch))
             if not pending:
                 break
             step += 1
             if self.masked is None:  # decided on the first step's largest batch, of two or more
-                largest = max((b for group in pending.values() for _, b, _ in group), key=batch_size_of)
+                i, largest, _ = max((item for group in pending.values() for item in group),
+                                    key=lambda item: batch_size_of(item[1]))
+                largest = self._batch(i, largest)
                 largest = _pad(largest, max(2, batch_size_of(largest)))  # one example: two copies
                 try:
                     self.masked = self._averages_examples(to_device(largest, self.device))
@@ -232,7 +239,8 @@ class _Trainer:
             if self.masked:
                 shapes: dict[tuple[int, ...] | int, list[tuple[int, Any, bool]]] = {}
                 for group in pending.values():  # batches that differ in size only pad to each other
-                    shapes.setdefault(_signature(group[0][1], per_example=True), []).extend(group)
+                    key = 0 if self.bank is not None else _signature(group[0][1], per_example=True)
+                    shapes.setdefault(key, []).extend(group)
                 for group in shapes.values():
                     self._step(group, step, padded=True)
             else:
@@ -291,7 +299,7 @@ class _Trainer:
                 batches, mask = self._padded(group, sizes)
                 losses, aux = self.masked_losses(leaves, batches, mask)
             else:
-                batches = _stack([batch for _, batch, _ in group], self.device)
+                batches = self._stacked(group, sizes[0])
                 losses, aux = self.losses(leaves, batches)
             found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
         grads = {n: torch.zeros_like(leaves[n]) if g is None else g  # unused by the loss: no gradient
@@ -310,9 +318,21 @@ class _Trainer:
         batches, mask = self._padded(group, sizes)
         return self.private_rows({n: p.detach() for n, p in params.items()}, batches, mask.to(dtype), noise)
 
+    def _batch(self, client: int, item: Any) -> Any:
+        """A client's batch: `item` itself, or with a bank the examples its index slice names."""
+        return item if self.bank is None else self.bank.batch(client, item)
+
+    def _stacked(self, group: list[tuple[int, Any, bool]], size: int) -> Any:
+        """The group's batches, all of `size` examples, stacked on the client axis."""
+        if self.bank is not None:
+            return self.bank.rows([i for i, _, _ in group], [item for _, item, _ in group], size)[0]
+        return _stack([batch for _, batch, _ in group], self.device)
+
     def _padded(self, group: list[tuple[int, Any, bool]], sizes: list[int]) -> tuple[Any, torch.Tensor]:
         """The group's batches padded to the job's batch size (or their largest), and their masks."""
         longest = max(self.settings.batch_size, *sizes)
+        if self.bank is not None:
+            return self.bank.rows([i for i, _, _ in group], [item for _, item, _ in group], longest)
         batches = _stack([_pad(batch, longest) for _, batch, _ in group], self.device)
         mask = torch.stack([(torch.arange(longest) < size).to(torch.float32) for size in sizes])
         return batches, mask.to(self.device)
@@ -388,12 +408,21 @@ class _Trainer:
         return Fused(weights, TrainResult(seen, metrics))
 
 
-def _stream(src: Source, settings: TrainSettings, generator: torch.Generator) -> Iterator[tuple[Any, bool]]:
-    """A client's batches over all its epochs, drawn as `Source.batches` draws them; True for an
-    epoch's first batch."""
+def _stream(
+    src: Source, settings: TrainSettings, generator: torch.Generator, indices: bool
+) -> Iterator[tuple[Any, bool]]:
+    """A client's batches over all its epochs, drawn as `Source.batches` draws them (with `indices`,
+    each batch's index slice instead: the same draws); True for an epoch's first batch."""
     for _ in range(settings.epochs):
         first = True
-        for batch in src.batches(settings.batch_size, generator):
+        if indices:
+            assert src.size is not None
+            order = torch.randperm(src.size, generator=generator)  # as Source.batches draws it
+            size = settings.batch_size
+            batches: Iterator[Any] = (order[start : start + size] for start in range(0, src.size, size))
+        else:
+            batches = src.batches(settings.batch_size, generator)
+        for batch in batches:
             yield batch, first
             first = False
 
