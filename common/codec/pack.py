@@ -113,12 +113,18 @@ class _Writer:
             raise ValueError(f"nesting deeper than {_MAX_DEPTH} levels")
         packer = self._packer
         if isinstance(obj, dict):
+            if all(type(key) is str for key in obj) and all(type(v) in _FLAT_TYPES for v in obj.values()):
+                packer.pack(obj)  # a map of plain values under str keys: msgpack's C loop, as for lists
+                return
             packer.pack_map_header(len(obj))
             for key, value in obj.items():
                 if not isinstance(key, str | int) or isinstance(key, bool):
                     raise TypeError(f"map keys must be str or int, not {type(key).__name__}")
                 packer.pack(key)
-                self.write(value, depth + 1)
+                if type(value) in _FLAT_TYPES:
+                    packer.pack(value)  # nothing to walk (a spec is mostly these): no call per value
+                else:
+                    self.write(value, depth + 1)
         elif isinstance(obj, list | tuple):
             if all(type(item) in _FLAT_TYPES for item in obj):
                 packer.pack(obj)  # nothing to walk: let msgpack's C loop do it
