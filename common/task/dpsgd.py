@@ -19,6 +19,8 @@ had it trained in every round so far (an upper bound: taking part in fewer round
 and the round's value is the largest over its clients. fedmq draws each epoch's batches as a
 shuffle, not Poisson sampling: the usual approximation, as in Abadi et al. Protecting one example
 of one client (example-level DP) is what DP-SGD gives; the `dp` strategy protects a whole client.
+ε covers the weights a client sends; its training metrics (the loss, the Task's metrics) are
+computed on its data without noise and are not covered.
 
 What DP-SGD cannot train: BatchNorm (it mixes a batch's examples, so no example has a gradient
 of its own; GroupNorm or LayerNorm can), data fedmq does not batch itself (a DataLoader: q is
