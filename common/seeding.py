@@ -43,6 +43,15 @@ def derive_seed(seed: SupportsIndex, *keys: str | SupportsIndex) -> int:
     return int.from_bytes(digest.digest(), "big") & _MASK
 
 
+def secret_seed(key: bytes, seed: SupportsIndex, *keys: str | SupportsIndex) -> int:
+    """As derive_seed, keyed with a secret: no one without `key` can compute it from the public values."""
+    digest = hashlib.blake2b(digest_size=8, key=key[:64], person=b"fedmq-secret")
+    digest.update(_encode(seed))
+    for part in keys:
+        digest.update(_encode(part))
+    return int.from_bytes(digest.digest(), "big") & _MASK
+
+
 def numpy_rng(seed: SupportsIndex, *keys: str | SupportsIndex) -> np.random.Generator:
     """A numpy Generator on the stream derived from ``seed`` and ``keys``."""
     return np.random.default_rng(derive_seed(seed, *keys))

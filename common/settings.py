@@ -128,6 +128,11 @@ class Settings(BaseSettings):
         1, ge=1, description="tasks a learner takes at once (its prefetch) to train together, for jobs with "
         "train.fuse; 1: one at a time. `fedmq run` of a fused job: its share of a round's clients",
     )
+    dp_key: SecretStr | None = Field(
+        None, description="learners: the secret that seeds train.dp_sgd's noise and batch order; give every "
+        "learner the same and never the scheduler or aggregator (whoever holds it can take the noise out). "
+        "Unset: a random key per learner process (DP runs do not repeat bit for bit)",
+    )
     fuse_memory_bytes: int = Field(
         0, ge=0, description="memory one fused group may use (weights, gradients, optimizer state per "
         "client); 0: a quarter of the device's free memory (the host's available memory on CPU)",
@@ -174,6 +179,12 @@ class Settings(BaseSettings):
     cli_users: str = Field(
         "cli,guest", description="broker users whose job submissions, cancels and status requests are taken",
     )
+
+    @field_validator("dp_key")
+    @classmethod
+    def _dp_key(cls, value: SecretStr | None) -> SecretStr | None:
+        """An empty key (compose's `${LEARNER_DP_KEY:-}` left unset) is no key: a random one is drawn."""
+        return value if value is not None and value.get_secret_value() else None
 
     @field_validator("device")
     @classmethod

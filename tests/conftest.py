@@ -26,6 +26,10 @@ hypothesis_settings.register_profile("ci", derandomize=True, database=None, prin
 if os.environ.get("CI"):
     hypothesis_settings.load_profile("ci")
 
+# DP-SGD jobs (train.dp_sgd) repeat bit for bit only with one learner key: every service and test
+# process here shares this one; tests of the default (a random key) pass dp_key=None themselves.
+os.environ.setdefault("FEDMQ_DP_KEY", "fedmq-tests-not-a-secret")
+
 # Services against tests/reference.py, which adds in another order (float64 averages, plain SGD
 # arithmetic). |a - b| <= ATOL + RTOL * |b|. Measured on SGD jobs of 2-5 rounds like the tests'
 # (weights up to 1.0): max |a - b| 4.5e-8 to 1.8e-7, 2-4% of this tolerance. Bugs are far over

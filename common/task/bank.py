@@ -20,7 +20,9 @@ import torch
 
 from fedmq.common.task.batches import Source
 
-__all__ = ["Bank"]
+__all__ = ["LIMIT_BYTES", "Bank"]
+
+LIMIT_BYTES = 256 * 1024**2  # a group's data copied whole to the device at most (digits' 100 clients: 0.4 MB)
 
 
 class Bank:
@@ -33,9 +35,13 @@ class Bank:
 
     @classmethod
     def of(cls, sources: Sequence[Source], device: torch.device) -> Bank | None:
-        """The group's bank; None when the data is not tensors of one structure, shape and dtype."""
+        """The group's bank; None when the data is not tensors of one structure, shape and dtype, or
+        when it is larger than LIMIT_BYTES (a copy of it on the device is not counted in the fused
+        memory budget: large data goes the general way, a batch at a time)."""
         flat = [_flatten(src.data) for src in sources]
         if any(f is None for f in flat):
+            return None
+        if sum(t.numel() * t.element_size() for f in flat if f is not None for t in f) > LIMIT_BYTES:
             return None
         layouts = {tuple((tuple(t.shape[1:]), t.dtype) for t in f) for f in flat if f is not None}
         templates = {_template(src.data) for src in sources}

@@ -126,6 +126,9 @@ class TrainContext:
     # The strategy's stored tensors for this client (control variates, residuals); {} unless the
     # strategy keeps per-client state, and on the client's first round.
     client_state: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    # train.dp_sgd: this client's secret seed this round, from the learner's FEDMQ_DP_KEY. DP-SGD's
+    # noise and, through `generator`, its batch order come from it: the server cannot recompute them.
+    private_seed: int | None = None
 
 
 @dataclass(frozen=True)

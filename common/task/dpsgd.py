@@ -4,27 +4,34 @@
     the loss's own reduction does not matter):
         g_i = grad loss(model, example i)              torch.func: vmap(grad), one example per row
         c_i = g_i * min(1, C / (||g_i|| + 1e-6))       the norm over every trainable parameter
-        g   = (sum_i c_i + N(0, (z C)^2 I)) / B        noise from the client's own seeded stream
+        g   = (sum_i c_i + N(0, (z C)^2 I)) / B        noise from the client's secret stream; B the
+                                                       job's batch size, also for a short last batch
     then the optimizer's step with g. FedProx's proximal gradient and SCAFFOLD's correction are
     added after the noise: they depend on no example.
 
-The reported loss and metrics are the means of each example's. Noise is drawn from a generator
-seeded from (job seed, round, client) on the training device, so a run is bit-reproducible on one
-device; it differs between a CPU and a GPU, as their random streams do.
+The reported loss and metrics are the means of each example's. The noise and, for a DP-SGD job,
+the client's batch order come from its secret seed (TrainContext.private_seed: the learner's
+FEDMQ_DP_KEY keyed over job seed, round and client). Seeded from the job's public seed instead,
+anyone holding the spec could regenerate the noise and take it out, and would know which examples
+each step drew. With the same key a run is bit-reproducible on one device (CPU and GPU streams
+differ), and a redelivered task draws the same noise, so training it again releases nothing new.
 
 Privacy: each step is one sampled Gaussian mechanism with sampling rate q = B / n (n: the client's
 examples), so a round of S steps composes S of them; common/privacy.py accounts for them. A client
 cannot know in which earlier rounds it took part, so it reports `dp_epsilon`, the ε at the spec's δ
 had it trained in every round so far (an upper bound: taking part in fewer rounds spends less),
-and the round's value is the largest over its clients. fedmq draws each epoch's batches as a
-shuffle, not Poisson sampling: the usual approximation, as in Abadi et al. Protecting one example
-of one client (example-level DP) is what DP-SGD gives; the `dp` strategy protects a whole client.
-ε covers the weights a client sends; its training metrics (the loss, the Task's metrics) are
-computed on its data without noise and are not covered.
+and the round's value is the largest over that round's clients (the job's worst so far is the
+largest in its history). fedmq draws each epoch's batches as a shuffle of fixed-size batches, not
+Poisson sampling: ε is computed as if they were Poisson samples, the common heuristic (Abadi et
+al. train the same way), not a proof for shuffled batches. Protecting one example of one client
+(example-level DP) is what DP-SGD gives; the `dp_fedavg` strategy protects a whole client. ε covers
+the weights a client sends; its training metrics (the loss, the Task's metrics) are computed on its
+data without noise and are not covered.
 
 What DP-SGD cannot train: BatchNorm (it mixes a batch's examples, so no example has a gradient
 of its own; GroupNorm or LayerNorm can), data fedmq does not batch itself (a DataLoader: q is
-unknown), and a Task with its own `train`.
+unknown), and a Task with its own `train`. A loss that compares a batch's examples with each other
+(contrastive, pairwise) means something else on a batch of one: DP-SGD is for per-example losses.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fedmq.common.errors import ConfigError
 from fedmq.common.seeding import derive_seed
 from fedmq.common.task.functional import LossCall, loss_with_aux, unsqueeze
 
@@ -63,29 +71,35 @@ def refuse_model(model: nn.Module) -> None:
 
 
 def private_gradient(
-    grads: Mapping[str, torch.Tensor], mask: torch.Tensor, noise: torch.Tensor, clip_norm: float
+    grads: Mapping[str, torch.Tensor], mask: torch.Tensor, noise: torch.Tensor, clip_norm: float,
+    batch_size: int,
 ) -> dict[str, torch.Tensor]:
     """Each example's gradient (rows of `grads`) clipped to `clip_norm`, summed over the examples
-    `mask` keeps (1) with `noise` (flat, in `grads`' order, already scaled) added, over their count.
+    `mask` keeps (1) with `noise` (flat, in `grads`' order, already scaled) added, over the job's
+    batch size (as Opacus divides by the expected one: a short last batch's noise is not magnified).
     Pure tensor arithmetic: vmap runs it over a group of clients too."""
     squares = [g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]
     norms = torch.stack(squares).sum(0).sqrt()
     factors = (clip_norm / (norms + NORM_FLOOR)).clamp(max=1.0) * mask
-    count = mask.sum()
     out: dict[str, torch.Tensor] = {}
     offset = 0
     for name, g in grads.items():
         size = g[0].numel()
         summed = torch.tensordot(factors, g, dims=1)
-        out[name] = (summed + noise[offset : offset + size].reshape(summed.shape)) / count
+        out[name] = (summed + noise[offset : offset + size].reshape(summed.shape)) / batch_size
         offset += size
     return out
 
 
 def noise_generator(ctx: TrainContext) -> torch.Generator:
-    """The client's noise stream for the round, on its training device."""
+    """The client's noise stream for the round, on its training device, from its secret seed."""
+    if ctx.private_seed is None:
+        raise ConfigError(
+            "train.dp_sgd needs the context's private_seed (fedmq's learner derives it from FEDMQ_DP_KEY): "
+            "noise seeded from the job's public seed could be taken out by anyone holding the spec"
+        )
     generator = torch.Generator(device=ctx.device)
-    generator.manual_seed(derive_seed(ctx.seed, "dp_sgd", ctx.round, ctx.client))
+    generator.manual_seed(derive_seed(ctx.private_seed, "dp_sgd_noise"))
     return generator
 
 
@@ -113,6 +127,7 @@ class PrivateGradients:
         self.numel = sum(p.numel() for p in self.params.values())
         self.dtype = next(iter(self.params.values())).dtype if self.params else torch.float32
         self.device = ctx.device
+        self.batch_size = ctx.train.batch_size
         self.generator = noise_generator(ctx)
         # Dropout draws a mask per example (randomness="different"), from torch's seeded stream.
         self.each = torch.func.vmap(
@@ -131,7 +146,7 @@ class PrivateGradients:
         size = next(iter(grads.values())).shape[0] if grads else 0
         mask = torch.ones(size, device=self.device, dtype=self.dtype)
         noise = draw_noise(self.generator, self.numel, self.dp, self.device, self.dtype)
-        private = private_gradient(grads, mask, noise, self.dp.clip_norm)
+        private = private_gradient(grads, mask, noise, self.dp.clip_norm, self.batch_size)
         for name, p in self.params.items():
             p.grad = private[name]
         means: dict[str, torch.Tensor | float] = {name: values.mean() for name, values in aux.items()}

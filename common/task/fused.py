@@ -196,7 +196,7 @@ class _Trainer:
         grads, aux = self.each_grads(params, batch)
         count = mask.sum()
         means = {name: (values * mask).sum() / count for name, values in aux.items()}
-        return private_gradient(grads, mask, noise, self.dp.clip_norm), means
+        return private_gradient(grads, mask, noise, self.dp.clip_norm, self.settings.batch_size), means
 
     def _averages_examples(self, batch: Any) -> bool:
         """Whether the loss of a batch, its gradient and every metric are the means of its examples'

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fedmq.common.errors import ConfigError
 from fedmq.common.seeding import derive_seed
 from fedmq.common.strategy.checks import check_tensor_map
 from fedmq.common.task.contract import (
@@ -113,6 +114,11 @@ class TaskRuntime:
         """Train `model` in place on one client, with the Task's own `train` or fedmq's loop."""
         before = _shapes(model)
         method = "train" if has_train(self.task) else "loss"
+        if method == "train" and ctx.train.dp_sgd is not None:  # the CLI refuses it before publishing
+            raise ConfigError(
+                "train.dp_sgd is fedmq's loop's: a Task with its own train() trains as it likes; "
+                "define loss() instead of train(), or remove train.dp_sgd from the spec"
+            )
         model.train()  # whatever mode the last call left it in: the same in every process
         with (
             torch.random.fork_rng(devices=_cuda(ctx.device)),
@@ -120,11 +126,6 @@ class TaskRuntime:
         ):
             _seed(derive_seed(self.spec.seed, "torch", ctx.round, ctx.client), ctx.device)
             if method == "train":
-                if ctx.train.dp_sgd is not None:
-                    raise TypeError(
-                        "train.dp_sgd is fedmq's loop's: a Task with its own train() trains as it likes; "
-                        "define loss() instead of train(), or remove train.dp_sgd from the spec"
-                    )
                 result = self.task.train(model, data.train, ctx)  # type: ignore[attr-defined]
             elif has_loss(self.task):
                 result = train_with_loss(self.task, model, data.train, ctx)

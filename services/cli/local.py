@@ -48,6 +48,9 @@ def run(
 
     configure_logging(settings.log_format, "info" if verbose else "warning")
     _check_state(settings.state_dir, spec, job, resume)
+    if spec.train.dp_sgd is not None and settings.dp_key is None:
+        err.print("note: train.dp_sgd's noise comes from a random key, so this run will not repeat bit for "
+                  "bit; set FEDMQ_DP_KEY (a secret) for one that does", highlight=False)
     job_id = resume or new_job_id(spec)
     again = shlex.join([
         "fedmq", "run", str(job), *(["--rounds", str(rounds)] if rounds is not None else []),

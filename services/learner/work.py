@@ -12,6 +12,7 @@ most `FEDMQ_DATA_CACHE_CLIENTS` clients' data at once (least recently used goes 
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from fedmq.common.errors import FedmqError
 from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
 from fedmq.common.messages import ClientUpdate, EvalReport, EvalTask, TrainTask
 from fedmq.common.metrics import Metrics
-from fedmq.common.seeding import torch_generator
+from fedmq.common.seeding import secret_seed, torch_generator
 from fedmq.common.settings import Settings
 from fedmq.common.strategy.contract import CLIENT_STATE
 from fedmq.common.task.contract import ClientData, EvalContext, TrainContext, TrainResult, TrainSettings
@@ -44,6 +45,10 @@ JOB_CACHE = 4  # jobs whose Task and model a learner keeps between tasks
 
 Fetch = Callable[[str, str], tuple[dict[str, torch.Tensor], int]]  # (job id, digest) -> (weights, bytes)
 FetchState = Callable[[str, int, int], dict[str, torch.Tensor]]  # (job id, round, client) -> its state
+RANDOM_KEY = (
+    "train.dp_sgd's noise comes from a random key of this process: set FEDMQ_DP_KEY, the same on every "
+    "learner, for runs that repeat bit for bit and for a redelivered task to draw the same noise"
+)
 
 
 def _no_state(job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
@@ -167,6 +172,9 @@ class Work:
         self.metrics = metrics
         # A fused group holds its clients' data at once anyway; a cache smaller than a group would
         # load every client of every round again (100 digits clients a round: 64 cached, none hit).
+        # DP-SGD's secret (the same on every learner, never on the server); else one of this process's.
+        self.dp_key = (settings.dp_key.get_secret_value().encode() if settings.dp_key is not None
+                       else secrets.token_bytes(32))
         self.data = ClientDataCache(max(settings.data_cache_clients, settings.fuse_clients))
         self._jobs: OrderedDict[str, JobContext] = OrderedDict()
         self._models: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
@@ -266,12 +274,16 @@ class Work:
         self, job: JobContext, task: TrainTask, weights: dict[str, torch.Tensor],
         client_state: dict[str, torch.Tensor],
     ) -> TrainContext:
+        private = None
+        generator = torch_generator(job.spec.seed, "train", task.round, task.client)
+        if job.spec.train.dp_sgd is not None:  # DP-SGD: noise and batch order the server cannot recompute
+            private = secret_seed(self.dp_key, job.spec.seed, task.round, task.client)
+            generator = torch_generator(private, "train")
         return TrainContext(
             client=task.client, round=task.round, seed=job.spec.seed, device=self.device,
-            train=self._train_settings(job),
-            generator=torch_generator(job.spec.seed, "train", task.round, task.client),
+            train=self._train_settings(job), generator=generator,
             global_weights=weights, config=task.config,
-            client_state={k: v.to(self.device) for k, v in client_state.items()},
+            client_state={k: v.to(self.device) for k, v in client_state.items()}, private_seed=private,
         )
 
     def _update(
@@ -326,6 +338,8 @@ class Work:
                 raise
             job = JobContext(spec, runtime, runtime.build_model().to(self.device))
             self._jobs[job_id] = job
+            if spec.train.dp_sgd is not None and self.settings.dp_key is None:
+                log.warning("dp_key_random", job=job_id, detail=RANDOM_KEY)
             while len(self._jobs) > JOB_CACHE:
                 self._jobs.popitem(last=False)
             log.info("job_loaded", spec=canonical_json(spec)[:200])

@@ -1,8 +1,9 @@
 """Jobs with `train.dp_sgd` (local DP-SGD) through the services, on either bus, fused or not.
 
-The noise comes from each client's own seeded stream, so a DP-SGD job is bit-reproducible like
-any other: on RabbitMQ with three learners as in one process, and, fused, however its clients
-are grouped. Each round reports `train.dp_epsilon`, the largest ε over its clients.
+The noise comes from each client's secret stream (the learners' FEDMQ_DP_KEY; tests/conftest.py
+sets one), so a DP-SGD job is bit-reproducible like any other: on RabbitMQ with three learners as
+in one process, and, fused, however its clients are grouped. Each round reports
+`train.dp_epsilon`, the largest ε over its clients.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
+from pydantic import SecretStr
 
 from fedmq.common.checkpoint import load_state
 from fedmq.common.errors import ConfigError
@@ -67,6 +70,21 @@ def test_a_fused_dp_sgd_job_is_bit_identical_however_grouped_and_close_to_one_at
     assert max(gaps) < 1e-4, f"fused DP-SGD is {max(gaps):.2e} from sequential"
     assert [h["metrics"]["train"][EPSILON] for h in together["history"][1:]] == pytest.approx(
         [h["metrics"]["train"][EPSILON] for h in sequential["history"][1:]], rel=1e-12)
+
+
+def test_the_noise_comes_from_the_learners_key_and_without_one_from_a_random_key(tmp_path: Path) -> None:
+    def weights(name: str, key: str | None) -> dict:
+        settings = Settings(state_dir=tmp_path / name, dp_key=None if key is None else SecretStr(key))
+        result = run_job(small_job(clients__total=3, rounds=1, train__dp_sgd=DP), settings, idle_timeout=60)
+        assert result["status"] == "completed", result.get("reason")
+        return load_state(result["model_path"])[0]
+
+    first = weights("a", "one secret")
+    assert_bit_identical(weights("b", "one secret"), first)
+    assert any(not torch.equal(first[n], w) for n, w in weights("c", "another secret").items()), (
+        "the key, not the job's public seed, decides the noise")
+    fresh = zip(weights("d", None).values(), weights("e", None).values(), strict=True)
+    assert any(not torch.equal(a, b) for a, b in fresh), "no key: a fresh one each run"
 
 
 def test_a_task_with_its_own_train_cannot_ask_for_dp_sgd_before_anything_is_published() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedmq.common.task.bank import Bank
+from fedmq.common.task.bank import LIMIT_BYTES, Bank
 from fedmq.common.task.batches import source
 from fedmq.common.task.fused import _pad, _stack
 
@@ -47,6 +47,8 @@ def test_a_bank_needs_tensors_of_one_structure_shape_and_dtype() -> None:
     assert Bank.of([source((x, x)), source({"a": x, "b": x})], CPU) is None, "another structure"
     dataset = torch.utils.data.TensorDataset(x)
     assert Bank.of([source(dataset)], CPU) is None, "a Dataset goes the general way"
+    large = torch.zeros(LIMIT_BYTES // 4 + 1, dtype=torch.float32)
+    assert Bank.of([source(large)], CPU) is None, "data above the limit goes the general way"
 
 
 def _leaves(batch: object) -> list[torch.Tensor]:

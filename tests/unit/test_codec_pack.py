@@ -7,6 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -35,6 +36,22 @@ pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimen
 @given(obj=structures)
 def test_nested_structures_round_trip(obj: Any) -> None:
     assert_same_structure(unpackb(packb(obj)), obj)
+
+
+plain = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text() | st.binary(),
+    lambda inner: (st.lists(inner, max_size=4)
+                   | st.dictionaries(st.text() | st.integers(0, 9), inner, max_size=4)),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(obj=plain)
+def test_data_without_tensors_packs_to_msgpacks_own_bytes(obj: Any) -> None:
+    # The writer hands whole maps and lists of plain values to msgpack's C loop and walks the rest:
+    # either way the bytes are msgpack's.
+    assert packb(obj) == msgpack.packb(obj, use_bin_type=True)
 
 
 def test_tuples_come_back_as_lists() -> None:

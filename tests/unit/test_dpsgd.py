@@ -7,6 +7,7 @@ RDPAccountant, stepped once per DP-SGD step, is the oracle for ε.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -14,19 +15,20 @@ import pytest
 import torch
 from torch import nn
 
+from fedmq.common.errors import ConfigError
 from fedmq.common.task.contract import DpSgd, TrainContext, TrainSettings
 from fedmq.common.task.dpsgd import EPSILON, PrivateGradients, epsilon_spent
 from fedmq.common.task.fused import group_size, train_fused
 from fedmq.common.task.loop import train_with_loss
-from tests.unit.test_fused import SIZES, Mlp, clients, contexts, model_for
+from tests.unit.test_fused import Mlp, clients, contexts, model_for
 
 TOLERANCE = 1e-5
 
 
 def oracle_gradient(
-    task: Mlp, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], clip: float
+    task: Mlp, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], clip: float, batch_size: int
 ) -> dict[str, torch.Tensor]:
-    """Σ_i clip(∇ loss(example i)) / B, one example at a time with autograd."""
+    """Σ_i clip(∇ loss(example i)) / B (the job's batch size), one example at a time with autograd."""
     x, y = batch
     params = dict(model.named_parameters())
     total = {n: torch.zeros_like(p) for n, p in params.items()}
@@ -37,7 +39,7 @@ def oracle_gradient(
         factor = min(1.0, clip / (norm + 1e-6))
         for n, g in grads.items():
             total[n] += g * factor
-    return {n: t / len(x) for n, t in total.items()}
+    return {n: t / batch_size for n, t in total.items()}
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor:
@@ -51,7 +53,17 @@ def dp_context(
     settings = TrainSettings(**{"epochs": 1, "batch_size": 8, "lr": 0.1, **train}, dp_sgd=dp)
     return TrainContext(client=client, round=round_, seed=5, train=settings, device=torch.device("cpu"),
                         generator=torch.Generator().manual_seed(100 + client),
-                        global_weights={n: p.detach().clone() for n, p in model.named_parameters()})
+                        global_weights={n: p.detach().clone() for n, p in model.named_parameters()},
+                        private_seed=secret(round_, client))
+
+
+def secret(round_: int, client: int) -> int:
+    return 7_000 + 100 * round_ + client
+
+
+def private(ctxs: list[TrainContext]) -> list[TrainContext]:
+    """The contexts a learner would give: each with its secret seed."""
+    return [dataclasses.replace(ctx, private_seed=secret(ctx.round, ctx.client)) for ctx in ctxs]
 
 
 @pytest.mark.parametrize("summed", [False, True], ids=["mean-loss", "sum-loss"])
@@ -65,7 +77,7 @@ def test_a_private_gradient_without_noise_is_the_mean_of_clipped_per_example_gra
     ctx = dp_context(model, DpSgd(clip_norm=clip, noise_multiplier=0.0))
     loss, metrics = PrivateGradients(task, model, ctx).backward((x, y))
     got = {n: grad_of(p) for n, p in model.named_parameters()}
-    want = oracle_gradient(task, model, (x, y), clip)
+    want = oracle_gradient(task, model, (x, y), clip, 8)
     for n in want:
         assert torch.allclose(got[n], want[n], atol=1e-7, rtol=1e-5), n
     each = [float(task.loss(model, (x[i : i + 1], y[i : i + 1]))[0].detach()) for i in range(len(x))]
@@ -79,12 +91,12 @@ def test_the_noise_has_the_spec_s_standard_deviation_and_is_seeded_per_round_and
     task.build_model = lambda: model  # type: ignore[method-assign]
     x, y = torch.randn(4, 100), torch.randint(0, 3, (4,))
     dp = DpSgd(clip_norm=0.5, noise_multiplier=2.0)
-    clipped = oracle_gradient(task, model, (x, y), dp.clip_norm)
+    clipped = oracle_gradient(task, model, (x, y), dp.clip_norm, 8)
 
     def noise(round_: int, client: int) -> torch.Tensor:
         ctx = dp_context(model, dp, round_=round_, client=client)
         PrivateGradients(task, model, ctx).backward((x, y))
-        return torch.cat([(grad_of(p) - clipped[n]).flatten() * len(x) for n, p in model.named_parameters()])
+        return torch.cat([(grad_of(p) - clipped[n]).flatten() * 8 for n, p in model.named_parameters()])
 
     first = noise(1, 0)
     assert float(first.std()) == pytest.approx(dp.noise_multiplier * dp.clip_norm, rel=0.02)
@@ -106,7 +118,7 @@ def test_the_loop_trains_with_dp_sgd_as_a_hand_written_dp_sgd_without_noise() ->
         perm = torch.randperm(len(x), generator=order)
         for start in range(0, len(x), 8):
             idx = perm[start : start + 8]
-            grads = oracle_gradient(task, reference, (x[idx], y[idx]), 0.3)
+            grads = oracle_gradient(task, reference, (x[idx], y[idx]), 0.3, 8)
             with torch.no_grad():
                 for n, p in reference.named_parameters():
                     p.sub_(0.1 * grads[n])
@@ -166,10 +178,11 @@ def test_fused_dp_sgd_lands_within_tolerance_of_the_sequential_loop_noise_and_al
     model = model_for(task)
     settings = TrainSettings(**SETTINGS[name], dp_sgd=DpSgd(clip_norm=0.5, noise_multiplier=0.8))
     config = {"proximal_mu": proximal} if proximal else {}
-    fused = train_fused(task, model, data, contexts(model, len(data), settings, config))
+    fused = train_fused(task, model, data, private(contexts(model, len(data), settings, config)))
     assert fused is not None, "DP-SGD fuses"
     start = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    for i, (ctx, batch) in enumerate(zip(contexts(model, len(data), settings, config), data, strict=True)):
+    for i, (ctx, batch) in enumerate(zip(private(contexts(model, len(data), settings, config)), data,
+                                         strict=True)):
         one = model_for(task)
         one.load_state_dict(start)
         result = train_with_loss(task, one, batch, ctx)
@@ -201,8 +214,15 @@ def test_the_fused_group_size_counts_a_gradient_per_example() -> None:
     model = model_for(Mlp())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     plain = TrainSettings(batch_size=8)
-    private = TrainSettings(batch_size=8, dp_sgd=DpSgd(clip_norm=1, noise_multiplier=1))
+    dp = TrainSettings(batch_size=8, dp_sgd=DpSgd(clip_norm=1, noise_multiplier=1))
     assert group_size(model, plain, weights * 2 * 10) == 10
-    assert group_size(model, private, weights * (2 + 9) * 10) == 10
-    assert group_size(model, private, weights * 2 * 10) == 1
-    assert len(SIZES) > 1
+    assert group_size(model, dp, weights * (2 + 9) * 10) == 10
+    assert group_size(model, dp, weights * 2 * 10) == 1
+
+
+def test_dp_sgd_without_a_secret_seed_is_refused_rather_than_noised_from_the_public_seed() -> None:
+    task = Mlp()
+    model = model_for(task)
+    ctx = dataclasses.replace(dp_context(model, DpSgd(clip_norm=1, noise_multiplier=1)), private_seed=None)
+    with pytest.raises(ConfigError, match="needs the context's private_seed"):
+        train_with_loss(task, model, clients([8])[0], ctx)
