@@ -71,7 +71,8 @@ def close_round(
             raise TypeError(f"aggregate() returned a {type(out).__name__}, expected fedmq.Aggregate")
         check_untouched(job.weights, versions)
         strategy_metrics = check_metrics(out.metrics, "strategy metrics")
-        check_finite(out.weights, "weights")
+        if isinstance(out.weights, dict):  # other maps compute their tensors as they are read: once
+            check_finite(out.weights, "weights")
         shared = check_tensor_map(out.shared_state, "shared_state")
         check_no_prefix(shared, "shared_state")
         check_finite(shared, "shared_state")
@@ -81,7 +82,7 @@ def close_round(
     if shared:
         job.clients.write_shared(server_round, shared)
     with user_code("strategy.aggregate", round=server_round):
-        job.model.load_state_dict(out.weights)  # copies into the parameters, dtypes kept
+        load_weights(job.model, out.weights)
     residuals, state_bytes = write_residuals(job, server_round, [r.client for r in results])
     del out
     job.weights = views(job.model)
@@ -107,6 +108,33 @@ def close_round(
     job.clients.prune(server_round, states)
     job.residuals.prune(server_round, residuals)
     return closed
+
+
+def load_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """The aggregate's weights into the model, copied into its parameters (dtypes kept).
+
+    A dict is loaded as load_state_dict loads it (checked finite beforehand). Any other map may
+    compute each tensor as it is read (kernels.WeightedMean): it is read once, one tensor at a
+    time, each checked finite and shape before it is copied, so the new model is never held whole.
+    A check that fails leaves the model half written: the caller rewinds it (jobs.rewind).
+    """
+    if isinstance(weights, dict):
+        model.load_state_dict(weights)
+        return
+    own = model.state_dict()
+    if set(weights) != set(own):
+        missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+        raise KeyError(f"aggregate() weights do not match the model: missing {missing[:3]}, "
+                       f"unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, target in own.items():
+            value = weights[name]
+            if value.shape != target.shape:
+                raise ValueError(f"aggregate() weights: {name!r} has shape {list(value.shape)}, "
+                                 f"the model's is {list(target.shape)}")
+            check_finite({name: value}, "weights")
+            target.copy_(value)
+            del value
 
 
 def tensor_versions(weights: Mapping[str, torch.Tensor]) -> dict[str, int]:

@@ -1,14 +1,14 @@
 """Means: weighted averages of state dicts, server momentum, moving averages.
 
-Results are folded one at a time (streaming, O(model) memory) in the order the
-caller gives; callers give a canonical order (by client id) so that the result
-is the same whatever order the updates arrived in.
+Results are folded in the order the caller gives, one tensor at a time (a mean read
+tensor by tensor holds one tensor of it); callers give a canonical order (by client id)
+so that the result is the same whatever order the updates arrived in.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -28,40 +28,60 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def weighted_mean(results: Iterable[tuple[Mapping[str, torch.Tensor], float]]) -> StateDict:
-    """Σ wₖ·xₖ / Σ wₖ over state dicts, folding one result at a time."""
-    acc: StateDict | None = None
-    dtypes: dict[str, torch.dtype] = {}
-    total = 0.0
-    for state, weight in results:
-        if weight < 0 or not math.isfinite(weight):
-            raise AggregationError(f"weight must be finite and non-negative, got {weight}")
-        if acc is None:
-            dtypes = {name: tensor.dtype for name, tensor in state.items()}
-            acc = {
-                name: tensor.to(_accumulator_dtype(tensor.dtype), copy=True).mul_(weight)
-                for name, tensor in state.items()
-            }
-        else:
-            if state.keys() != acc.keys():
+    """Σ wₖ·xₖ / Σ wₖ over state dicts, one tensor at a time (see WeightedMean), all computed now."""
+    return dict(WeightedMean(results))
+
+
+class WeightedMean(Mapping[str, torch.Tensor]):
+    """Σ wₖ·xₖ / Σ wₖ over state dicts, each tensor computed when it is read: folded over the results
+    in their order, reading that tensor of each result only, so a mean read tensor by tensor holds
+    one tensor of it, never a whole model beside the one it replaces.
+
+    Each tensor's arithmetic is the same whether it is read alone or with all the others (the same
+    operations, per element, in the same order): the bits do not depend on how it is read. Reading
+    one twice computes it twice.
+    """
+
+    def __init__(self, results: Iterable[tuple[Mapping[str, torch.Tensor], float]]) -> None:
+        self._results = list(results)
+        if not self._results:
+            raise AggregationError("no results to aggregate")
+        total = 0.0
+        for state, weight in self._results:
+            if weight < 0 or not math.isfinite(weight):
+                raise AggregationError(f"weight must be finite and non-negative, got {weight}")
+            if state.keys() != self._results[0][0].keys():
                 raise AggregationError("results disagree on tensor names")
-            for name, tensor in state.items():
-                if tensor.shape != acc[name].shape:
-                    raise AggregationError(
-                        f"{name}: shape {tuple(tensor.shape)} differs from {tuple(acc[name].shape)}"
-                    )
-                acc[name].add_(tensor.to(acc[name].dtype), alpha=weight)
-        total += weight
-    if acc is None:
-        raise AggregationError("no results to aggregate")
-    if total <= 0:
-        raise AggregationError("total weight is zero")
-    out: StateDict = {}
-    for name, summed in acc.items():
-        summed.div_(total)
-        if not dtypes[name].is_floating_point and not dtypes[name].is_complex:
-            summed.round_()
-        out[name] = summed.to(dtypes[name])
-    return out
+            total += weight
+        if total <= 0:
+            raise AggregationError("total weight is zero")
+        self._total = total
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        (first, weight), rest = self._results[0], self._results[1:]
+        tensor = first[name]
+        dtype = tensor.dtype
+        acc = tensor.to(_accumulator_dtype(dtype), copy=True).mul_(weight)
+        del tensor  # a result read from disk: its buffer goes now, not after the fold
+        for state, weight in rest:
+            tensor = state[name]
+            if tensor.shape != acc.shape:
+                raise AggregationError(f"{name}: shape {tuple(tensor.shape)} differs from {tuple(acc.shape)}")
+            acc.add_(tensor.to(acc.dtype), alpha=weight)
+            del tensor
+        acc.div_(self._total)
+        if not dtype.is_floating_point and not dtype.is_complex:
+            acc.round_()
+        return acc.to(dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._results[0][0])
+
+    def __len__(self) -> int:
+        return len(self._results[0][0])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._results[0][0]  # Mapping's default would compute the tensor
 
 
 def server_momentum(

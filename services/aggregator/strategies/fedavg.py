@@ -15,6 +15,7 @@ from fedmq.common.strategy.contract import (
     Strategy,
 )
 from fedmq.services.aggregator.kernels import weighted_mean
+from fedmq.services.aggregator.kernels.mean import WeightedMean
 
 
 class FedAvg(Strategy):
@@ -33,4 +34,6 @@ class FedAvg(Strategy):
         results: Sequence[ClientResult],
         failures: Sequence[ClientFailed],
     ) -> Aggregate:
-        return Aggregate(self.average(results))
+        # Computed as the round loads it into the model, tensor by tensor: the new model never
+        # sits in memory whole beside the current one (a variant that reads `average` gets a dict).
+        return Aggregate(WeightedMean((r.load(), self.weight(r)) for r in results))
