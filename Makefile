@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/round_overhead.py
 	$(BIN)/python benchmarks/job_length.py
 	$(BIN)/python benchmarks/large_model.py
+	$(BIN)/python benchmarks/transfer.py
 	$(BIN)/python benchmarks/strategies.py
 	$(BIN)/python benchmarks/robust_memory.py
 	$(BIN)/python benchmarks/fused.py
