@@ -4,8 +4,9 @@ The update is a ClientUpdate of the 202 MB model of benchmarks/large_model.py (w
 depth 13), encoded and published as the learner publishes it. Each timing runs from the
 publish call to the moment a consumer in another process holds the whole body:
 
-    fedmq     RabbitBus.publish to fedmq.aggregator: 4 MiB chunks, each confirmed, on a blob
-              queue, then the envelope; a RabbitBus consumer reads the chunks (order, size and
+    fedmq     RabbitBus.publish to fedmq.aggregator: 4 MiB chunks in 16 MiB transactions on a
+              blob queue, then the envelope, confirmed (the body sent joined; a learner sends
+              its parts, the same bytes); a RabbitBus consumer reads the chunks (order, size and
               digest checked) into one body in memory.
     raw pika  the same bytes in the same 4 MiB chunks, persistent and confirmed, published with
               BlockingConnection to a durable classic queue, while a BlockingConnection consumer

@@ -49,11 +49,18 @@ H_BLOB, H_INDEX, H_COUNT, H_SIZE, H_DIGEST = (
 )
 
 
-COMMIT_BYTES = 64 * 1024 * 1024  # chunks sent per transaction: what the broker buffers before it persists
+# Chunks sent per transaction. The broker keeps a transaction's messages in memory until its
+# commit: 16 MiB a sending learner, so that many learners sending at once do not trip its memory
+# alarm (which blocks every publisher, the control plane's too).
+COMMIT_BYTES = 16 * 1024 * 1024
 
 
 class DecodeBlobError(Exception):
     """A chunked message could not be put back together."""
+
+
+class BlobIncomplete(Exception):
+    """After its commits, a blob queue did not hold every chunk: no envelope was sent."""
 
 
 class BlobWriter:
@@ -65,10 +72,11 @@ class BlobWriter:
     """
 
     def __init__(self, connection: Callable[[], BlockingConnection | None], *, frame_bytes: int,
-                 expiry_s: int) -> None:
+                 expiry_s: int, commit_bytes: int = COMMIT_BYTES) -> None:
         self._connection = connection  # the bus's current connection, None while it has none
         self._frame_bytes = frame_bytes
         self._expiry_s = expiry_s
+        self._commit_bytes = commit_bytes
         self._ch: BlockingChannel | None = None
 
     def forget(self) -> None:
@@ -122,22 +130,27 @@ class BlobWriter:
         tx = self._channel()
         digest = hashlib.sha256()
         pending = 0  # bytes published since the last commit
-        for index, chunk in enumerate(_chunks(body.parts, self._frame_bytes)):
-            headers = {H_BLOB: blob, H_INDEX: index, H_COUNT: count}
-            chunk_props = pika.BasicProperties(delivery_mode=2, headers=headers, user_id=user_id)
-            digest.update(chunk)
-            tx.basic_publish(BLOBS, blob, chunk, chunk_props)
-            on_chunk(len(chunk))
-            pending += len(chunk)
-            if pending >= COMMIT_BYTES:
-                tx.tx_commit()
-                pending = 0
-        tx.tx_commit()
+        try:
+            for index, chunk in enumerate(_chunks(body.parts, self._frame_bytes)):
+                headers = {H_BLOB: blob, H_INDEX: index, H_COUNT: count}
+                chunk_props = pika.BasicProperties(delivery_mode=2, headers=headers, user_id=user_id)
+                digest.update(chunk)
+                tx.basic_publish(BLOBS, blob, chunk, chunk_props)
+                on_chunk(len(chunk))
+                pending += len(chunk)
+                if pending >= self._commit_bytes:
+                    tx.tx_commit()
+                    pending = 0
+            tx.tx_commit()
+        except BaseException:
+            if tx.is_open:  # no half-sent chunks left for the next blob's commit to send
+                tx.tx_rollback()
+            raise
         # Unroutable chunks would be dropped without a word (not confirmed, not mandatory):
         # count them, so that no envelope ever names a blob that lacks any.
         held = int(tx.queue_declare(blob, passive=True).method.message_count)
         if held != count:
-            raise pika.exceptions.UnroutableError([])
+            raise BlobIncomplete(f"blob {blob} holds {held} of its {count} chunks after their commits")
         return digest.hexdigest()
 
     def _channel(self) -> BlockingChannel:

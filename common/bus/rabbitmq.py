@@ -28,7 +28,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body, Bus, Delivery, EventHandler, Handler, Timer
-from fedmq.common.bus.blob import H_BLOB, BlobReader, BlobWriter, DecodeBlobError
+from fedmq.common.bus.blob import H_BLOB, BlobIncomplete, BlobReader, BlobWriter, DecodeBlobError
 from fedmq.common.bus.connection import BrokerConnection
 from fedmq.common.bus.consumers import Consumers
 from fedmq.common.codec.pack import Encoded
@@ -200,6 +200,8 @@ class RabbitBus(Bus):
         except pika.exceptions.UnroutableError:
             # The asker is gone (timed out, restarted, cut off), its reply queue with it. Not an error.
             log.info("reply_undeliverable", queue=delivery.queue)
+        except BlobIncomplete as exc:  # the broker lost chunks of a large reply: the asker asks again
+            log.warning("reply_not_sent", queue=delivery.queue, error=str(exc))
 
     def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
         if not self._link.running:

@@ -118,10 +118,14 @@ def load_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) ->
     time, each checked finite and shape before it is copied, so the new model is never held whole.
     A check that fails leaves the model half written: the caller rewinds it (jobs.rewind).
     """
+    own = model.state_dict()
+    if not isinstance(weights, dict) and _shares_storage(own):
+        # Tied tensors (one storage under two names): a tensor computed after another was written
+        # would read the new values through the current model. Compute them all first.
+        weights = {name: weights[name] for name in own}
     if isinstance(weights, dict):
         model.load_state_dict(weights)
         return
-    own = model.state_dict()
     if set(weights) != set(own):
         missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
         raise KeyError(f"aggregate() weights do not match the model: missing {missing[:3]}, "
@@ -135,6 +139,12 @@ def load_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) ->
             check_finite({name: value}, "weights")
             target.copy_(value)
             del value
+
+
+def _shares_storage(state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether two of a model's tensors are views of one storage (tied weights)."""
+    seen = [t.untyped_storage().data_ptr() for t in state.values() if t.numel()]
+    return len(seen) != len(set(seen))
 
 
 def tensor_versions(weights: Mapping[str, torch.Tensor]) -> dict[str, int]:

@@ -135,13 +135,6 @@ def compressed(
                                      "extras": extras})
 
 
-def _host_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trained model's tensors on the host: on the CPU its own (no copy of a large model), which
-    stay as they are until the next task trains it; from another device, copies."""
-    return {k: v.detach() if v.device.type == "cpu" else v.detach().to("cpu")
-            for k, v in model.state_dict().items()}
-
-
 def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trained model's tensors, copied to the host (the model is trained again next task)."""
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -189,8 +182,8 @@ class Work:
         self.fused_groups: list[int] = []  # the size of each group trained fused, oldest first
 
     def train(self, task: TrainTask) -> ClientUpdate:
-        """The task's update. Its weights may be the model's own tensors: encode it (and send that)
-        before this learner trains again."""
+        """The task's update, its weights a copy of the trained model's: the bus may still be sending
+        them (a publish that timed out goes on) when this learner trains its next task."""
         job = self._job(task.job_id, task.spec)
         started = time.perf_counter()
         weights, fetch_bytes = self._weights(task.job_id, task.model_digest)
@@ -203,7 +196,7 @@ class Work:
         ctx = self._context(job, task, weights, client_state)
         result = job.runtime.train(job.model, data, ctx)
         job.model.zero_grad(set_to_none=True)  # a model's worth of memory no one reads again
-        state = _host_state(job.model)
+        state = _cpu_state(job.model)
         seconds = time.perf_counter() - fetched
         self.metrics.train_seconds.observe(seconds)
         return self._update(job, task, weights, state, result, seconds, fetched - started, fetch_bytes,

@@ -19,6 +19,7 @@ from fedmq.common.bus.blob import (
     H_DIGEST,
     H_INDEX,
     H_SIZE,
+    BlobIncomplete,
     BlobReader,
     BlobWriter,
     DecodeBlobError,
@@ -40,6 +41,10 @@ class FakeChannel:
         self.gets = 0
         self.is_open = True
         self._tags = 0
+        self.transactional = False
+        self.uncommitted: list[tuple[str, pika.BasicProperties, bytes]] = []  # chunks held till commit
+        self.commits: list[int] = []  # chunks in each commit
+        self.rolled_back = 0
 
     def queue_declare(
         self, queue: str, durable: bool = False, arguments: dict[str, Any] | None = None,
@@ -59,7 +64,10 @@ class FakeChannel:
     ) -> None:
         assert exchange != "", "nothing goes through the default exchange"
         if (exchange, key, key) in self.bound and key in self.queues:
-            self.queues[key].append((props, body))
+            if self.transactional:  # as the broker: enqueued only at the commit
+                self.uncommitted.append((key, props, body))
+            else:
+                self.queues[key].append((props, body))
         else:
             assert body == b""
             self.envelopes.append((exchange, key, props))
@@ -82,10 +90,18 @@ class FakeChannel:
         self.queues.pop(queue, None)
 
     def tx_select(self) -> None:
-        pass
+        self.transactional = True
 
     def tx_commit(self) -> None:
-        pass
+        self.commits.append(len(self.uncommitted))
+        for key, props, body in self.uncommitted:
+            if key in self.queues:
+                self.queues[key].append((props, body))
+        self.uncommitted.clear()
+
+    def tx_rollback(self) -> None:
+        self.rolled_back += len(self.uncommitted)
+        self.uncommitted.clear()
 
 
 class FakeConnection:
@@ -102,10 +118,11 @@ class FakeConnection:
 def publish_blob(
     ch: FakeChannel, exchange: str, key: str, body: bytes | Encoded, props: pika.BasicProperties, *,
     mandatory: bool, frame_bytes: int, expiry_s: int, on_chunk: Any, on_orphan: Any,
+    commit_bytes: int = 64 * 1024,
 ) -> None:
     """A BlobWriter's publish, its chunks on the same stand-in channel as the envelope."""
     conn = FakeConnection(ch)
-    writer = BlobWriter(lambda: conn, frame_bytes=frame_bytes, expiry_s=expiry_s)
+    writer = BlobWriter(lambda: conn, frame_bytes=frame_bytes, expiry_s=expiry_s, commit_bytes=commit_bytes)
     encoded = body if isinstance(body, Encoded) else Encoded([body])
     writer.publish(ch, exchange, key, encoded, props, mandatory=mandatory,
                    on_chunk=on_chunk, on_orphan=on_orphan)
@@ -163,9 +180,20 @@ class LosingChannel(FakeChannel):
             super().basic_publish(exchange, key, body, props, mandatory)
 
 
+def test_chunks_are_committed_each_time_the_commit_size_is_reached_and_at_the_end() -> None:
+    ch = FakeChannel()
+    publish_blob(ch, "fedmq.x.aggregator", "fedmq.aggregator", BODY, pika.BasicProperties(),
+                 mandatory=True, frame_bytes=100, expiry_s=600, on_chunk=lambda n: None,
+                 on_orphan=ORPHANS.append, commit_bytes=250)
+    assert ch.commits == [3, 3, 2], "100-byte chunks: a commit once 250 bytes wait, and the rest"
+    assert ch.uncommitted == [] and len(ch.envelopes) == 1
+    [(_, _, envelope)] = ch.envelopes
+    assert len(ch.queues[envelope.headers[H_BLOB]]) == 8
+
+
 def test_a_blob_missing_a_chunk_after_its_commit_sends_no_envelope_and_is_deleted() -> None:
     ch = LosingChannel()
-    with pytest.raises(pika.exceptions.UnroutableError):
+    with pytest.raises(BlobIncomplete, match="holds 7 of its 8 chunks"):
         publish_blob(ch, "fedmq.x.aggregator", "fedmq.aggregator", BODY, pika.BasicProperties(),
                      mandatory=True, frame_bytes=100, expiry_s=600, on_chunk=lambda n: None,
                      on_orphan=ORPHANS.append)
@@ -265,9 +293,10 @@ def publish_failing(ch: FailingChannel) -> list[str]:
     return orphans
 
 
-def test_a_send_failing_between_chunks_deletes_its_blob_queue() -> None:
+def test_a_send_failing_between_chunks_deletes_its_blob_queue_and_rolls_its_chunks_back() -> None:
     ch = FailingChannel(3, pika.exceptions.NackError([]), stays_open=True)
     assert publish_failing(ch) == [] and ch.queues == {}
+    assert ch.rolled_back == 2 and ch.uncommitted == [], "nothing left for the next blob's commit"
 
 
 def test_a_send_cut_off_between_chunks_leaves_its_blob_queue_to_the_next_connection() -> None:
