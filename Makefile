@@ -1,5 +1,5 @@
 # Two commands for a newcomer: `make run` trains the example job, `make test` runs every test.
-# While developing: `make test-fast` runs the tests that need no broker and are quick (~50 s).
+# While developing: `make test-fast` runs the tests that need no broker and are quick (just under 2 min on 2 cores).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin

@@ -16,6 +16,7 @@ from fedmq.services.cli.embedded import run_job
 from tests.conftest import REPO
 
 
+@pytest.mark.slow  # rank processes, epochs 0.6 s apart: ~35 s, most of `make test-fast` alone
 def test_fedmq_run_trains_the_ddp_example_to_the_one_process_weights(tmp_path: Path) -> None:
     spec = load_job(REPO / "examples" / "ddp.yaml")
     assert spec.ddp is not None

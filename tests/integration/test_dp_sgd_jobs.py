@@ -52,6 +52,7 @@ def test_a_dp_sgd_job_is_bit_identical_on_either_bus_and_reports_its_weakest_cli
     assert max(gaps) > 1e-3, "clipping and noise changed the training"
 
 
+@pytest.mark.slow  # three jobs: `make test`, not the broker-free tier
 def test_a_fused_dp_sgd_job_is_bit_identical_however_grouped_and_close_to_one_at_a_time(
     tmp_path: Path,
 ) -> None:
@@ -72,6 +73,7 @@ def test_a_fused_dp_sgd_job_is_bit_identical_however_grouped_and_close_to_one_at
         [h["metrics"]["train"][EPSILON] for h in sequential["history"][1:]], rel=1e-12)
 
 
+@pytest.mark.slow  # five jobs: `make test`, not the broker-free tier
 def test_the_noise_comes_from_the_learners_key_and_without_one_from_a_random_key(tmp_path: Path) -> None:
     def weights(name: str, key: str | None) -> dict:
         settings = Settings(state_dir=tmp_path / name, dp_key=None if key is None else SecretStr(key))
