@@ -82,6 +82,10 @@ class Settings(BaseSettings):
         description="a large message's chunk queue unused this long is deleted (a sender that died); "
         "keep it above the longest wait of a message in its queue",
     )
+    blob_commit_bytes: int = Field(
+        16 * MiB, ge=1, description="a large message's chunks sent per transaction (the broker holds "
+        "them in memory until the commit, then persists them)",
+    )
     delivery_limit: int = Field(20, ge=1, description="deliveries of one message before it is dead-lettered")
     # fedmq.dead is bounded three ways; past any bound the oldest dead letters are dropped.
     dead_letter_max_count: int = Field(

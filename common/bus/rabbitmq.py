@@ -49,7 +49,8 @@ class RabbitBus(Bus):
             max_bytes=settings.max_message_bytes, on_chunk=self._count_received,
         )
         self._writer = BlobWriter(
-            lambda: self._link.conn, frame_bytes=settings.frame_bytes, expiry_s=settings.blob_expiry_s
+            lambda: self._link.conn, frame_bytes=settings.frame_bytes, expiry_s=settings.blob_expiry_s,
+            commit_bytes=settings.blob_commit_bytes,
         )
         self._consumers = Consumers(
             self._link, self._blobs, frame_bytes=settings.frame_bytes,

@@ -61,8 +61,10 @@ def exited(c: Cluster) -> dict[str, int | None]:
 
 def test_learners_survive_the_broker_closing_their_connections_mid_upload(tmp_path: Path) -> None:
     spec = chunked_job(tmp_path)
+    # A commit per chunk: an upload takes ~19 broker round trips, a window a close can land in
+    # (one 16 MiB transaction sends the 1.2 MB at once, too quickly for the test to catch it).
     with cluster(tmp_path, learners=LEARNERS, FEDMQ_FRAME_BYTES=str(FRAME_BYTES),
-                 FEDMQ_RETRY_INITIAL_S="0.2") as c:
+                 FEDMQ_BLOB_COMMIT_BYTES=str(FRAME_BYTES), FEDMQ_RETRY_INITIAL_S="0.2") as c:
         c.wait_learners(LEARNERS)
         job_id = c.fedmq("submit", str(spec)).stdout.strip()
         closes = 0
