@@ -88,8 +88,13 @@ def test_each_member_of_a_group_is_checked_as_if_alone_and_a_kept_member_changes
     alone = run_job(FUSED, Settings(state_dir=transport.settings.state_dir / "alone"), idle_timeout=60)
     result = run_job(FUSED, transport.settings, connect=regrouping(transport.connect), idle_timeout=60)
     assert result["status"] == "completed", result.get("reason")
-    assert result["fused_groups"] == [6, 6, 6]
+    # A learner groups what arrives within a moment of the round's burst: on a loaded broker a
+    # round's six tasks may come as two groups (seen in CI: [6, 3, 3, 6]). Every group is sent
+    # the five ways, so what is refused follows from the groups, whatever they were.
+    groups = [size for size in result["fused_groups"] if size >= 2]
+    assert sum(result["fused_groups"]) == 18 and groups, result["fused_groups"]
     assert_bit_identical(load_state(result["model_path"])[0], load_state(alone["model_path"])[0])
     reasons = [reason.split(":")[0] for reason, _ in transport.dead()]
-    assert reasons == ["non_finite"] * 3, "each round's all-NaN group refused whole"
-    assert result["updates_rejected"] == {"non_finite": 3 * (6 + 1)}, "each refused member counted"
+    assert reasons == ["non_finite"] * len(groups), "each group's all-NaN copy refused whole"
+    assert result["updates_rejected"] == {"non_finite": sum(size + 1 for size in groups)}, (
+        "each member of a refused copy counted, and each group's one NaN member")
