@@ -6,8 +6,14 @@
 A client's update is the first stored that holds it: its single file, else the group file of the
 lowest sequence number naming it. Files are only added while a round is open and a member already
 stored is never stored again, so the rule gives the same answer as the files arrive and when the
-folder is scanned after a restart. A member's tensors are read from disk one row at a time, as a
-single update's are one tensor at a time: a fresh tensor each read, nothing kept.
+folder is scanned after a restart.
+
+A member's tensor is a fresh copy of its row each read. The group reads a stacked tensor whole
+the first time one of its rows is asked for and keeps it until each row of it has been read once
+(or another tensor of the group is read): a fold over the members, tensor by tensor, reads each
+group file once per tensor rather than once per member and tensor (100 members of a 4-tensor
+model: 4 reads, not 400). That is one tensor per member in memory while a tensor is folded, as
+reading each member's row alone and keeping it would be; the same bytes, so the same bits.
 """
 
 from __future__ import annotations
@@ -35,8 +41,24 @@ class GroupFile:
         shared = {k: fields.get(k) for k in SHARED}
         self.members: list[dict[str, Any]] = [{**shared, **dict(m)} for m in fields.get("members", [])]
 
+        self._stacked: tuple[str, torch.Tensor, set[int]] | None = None  # name, tensor, rows not yet read
+
     def row(self, row: int) -> GroupRow:
         return GroupRow(self, row)
+
+    def read_row(self, name: str, row: int) -> torch.Tensor:
+        """Row `row` of tensor `name`, a fresh tensor (see the module's docstring for what is kept)."""
+        kept = self._stacked
+        if kept is None or kept[0] != name:
+            dtype, shape = self.tensors.meta(name)
+            if not len(shape) or not 0 <= row < shape[0]:
+                raise IndexError(f"tensor {name!r} {list(shape)} has no row {row}")
+            kept = self._stacked = (name, self.tensors[name], set(range(shape[0])))
+        _, stacked, unread = kept
+        unread.discard(row)
+        if not unread:
+            self._stacked = None
+        return stacked[row].clone()
 
 
 class GroupRow(Mapping[str, torch.Tensor]):
@@ -57,7 +79,7 @@ class GroupRow(Mapping[str, torch.Tensor]):
         return dtype, shape[1:]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.group.tensors.row(name, self.row)
+        return self.group.read_row(name, self.row)
 
     def __contains__(self, name: object) -> bool:
         return name in self.group.tensors

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
+from fedmq.common.codec.files import TensorFile
 from fedmq.common.groups import group_of
 from fedmq.common.messages import to_wire
+from fedmq.services.aggregator.kernels.mean import WeightedMean
 from fedmq.services.aggregator.store import JobStore
 from tests.unit.test_groups import update
 
@@ -53,3 +56,24 @@ def test_an_early_copy_of_a_client_a_group_holds_is_not_adopted_over_it(tmp_path
     store.adopt_early(3, 2)
     for reader in (store, JobStore(tmp_path, "job")):
         assert int(reader.read_update(3, 2).fields["num_examples"]) == update(2).num_examples
+
+
+def test_a_fold_over_a_group_reads_each_stacked_tensor_once_and_gives_the_rows_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clients = list(range(10))
+    sent = [update(c) for c in clients]
+    store = JobStore(tmp_path, "job")
+    assert store.put_group(1, to_wire(group_of(sent)), clients) == clients
+    reads: list[int] = []
+    real = TensorFile._read
+    monkeypatch.setattr(TensorFile, "_read", lambda self, *a: reads.append(1) or real(self, *a))
+    rows = [store.read_update(1, c) for c in clients]
+    mean = WeightedMean([(row, float(u.num_examples)) for row, u in zip(rows, sent, strict=True)])
+    expected = WeightedMean([(u.weights, float(u.num_examples)) for u in sent])
+    for name in sent[0].weights:
+        assert torch.equal(mean[name], expected[name]), name
+    assert len(reads) == len(sent[0].weights), "one read of each stacked tensor, not one per member"
+    first = rows[0]["w"]
+    first.add_(1)  # a fresh tensor each read: an edit changes nothing kept or stored
+    assert torch.equal(rows[0]["w"], sent[0].weights["w"])
