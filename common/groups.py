@@ -38,6 +38,16 @@ def members(group: GroupUpdate) -> list[ClientUpdate]:
     ]
 
 
+def finite_rows(group: GroupUpdate) -> list[bool]:
+    """For each member, whether every floating value of its weights is finite: one check per
+    stacked tensor, not one per member and tensor (call after `members`, which checks the shapes)."""
+    finite = torch.ones(len(group.members), dtype=torch.bool)
+    for stacked in group.weights.values():
+        if stacked.is_floating_point():
+            finite &= torch.isfinite(stacked.reshape(stacked.shape[0], -1)).all(dim=1)
+    return finite.tolist()
+
+
 def group_of(updates: list[ClientUpdate]) -> GroupUpdate:
     """The one message for `updates` (of one job, round and base model; uncompressed, no extras)."""
     first = updates[0]

@@ -36,7 +36,7 @@ from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
 from fedmq.common.checkpoint import save_model
 from fedmq.common.errors import DecodeError, FedmqError, StateUnwritable, ValidationError
-from fedmq.common.groups import members
+from fedmq.common.groups import finite_rows, members
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientUpdate,
@@ -307,11 +307,12 @@ class AggregatorService:
             raise ValidationError("unknown_client", f"{len(msg.members)} members, the job has "
                                   f"{job.spec.clients.total} clients")
         updates = members(msg)
+        finite = finite_rows(msg)
         admitted: list[tuple[ClientUpdate, Admitted]] = []
         refused: list[tuple[int, ValidationError]] = []
-        for update in updates:
+        for update, checked in zip(updates, finite, strict=True):
             try:
-                admitted.append((update, self._admit(job, update, delivery.user_id)))
+                admitted.append((update, self._admit(job, update, delivery.user_id, finite=checked)))
             except ValidationError as exc:
                 refused.append((update.client, exc))
         if not admitted:
@@ -351,8 +352,9 @@ class AggregatorService:
             self._publish(UpdatesAccepted(job_id=msg.job_id, round=msg.round,
                                           updates=accepted[at:at + ACCEPTED_PER_MESSAGE]))
 
-    def _admit(self, job: AggJob, msg: ClientUpdate, user_id: str | None) -> Admitted:
-        """What to do with an update: ValidationError if it is refused, else how it is kept."""
+    def _admit(self, job: AggJob, msg: ClientUpdate, user_id: str | None, finite: bool = False) -> Admitted:
+        """What to do with an update: ValidationError if it is refused, else how it is kept
+        (`finite`: its weights are known finite, see check_update)."""
         if msg.client < job.spec.clients.total:  # a site's update comes from that site's users only
             site = job.spec.clients.site(msg.client)
             check_site_sender(site, user_id, self.settings.users_of_sites)
@@ -372,7 +374,7 @@ class AggregatorService:
             kind = "new"
         if msg.base_digest != job.digest:
             raise ValidationError("stale_model", "trained on another round's weights")
-        self._check(job, msg)
+        self._check(job, msg, finite)
         return kind
 
     def _keep(self, job: AggJob, msg: ClientUpdate, kind: Admitted, body: bytes | Path, size: int) -> None:
@@ -389,7 +391,7 @@ class AggregatorService:
         self.metrics.updates_accepted.inc()
         log.info("update_accepted", client=msg.client, examples=msg.num_examples, learner=msg.learner)
 
-    def _check(self, job: AggJob, msg: ClientUpdate) -> None:
+    def _check(self, job: AggJob, msg: ClientUpdate, finite: bool = False) -> None:
         """The update's checks (validation.check_update) with the job's bounds on its count and norm."""
         clients = job.spec.clients
         max_examples = min(clients.max_examples or MAX_EXAMPLES, job.examples.get(msg.client, MAX_EXAMPLES))
@@ -397,6 +399,7 @@ class AggregatorService:
             msg, job.weights, max_examples=max_examples, expected_extras=job.strategy.expected_extras,
             compression=job.spec.compression,
             max_norm=clients.max_update_norm if clients.on_large_update == "reject" else None,
+            finite=finite,
         )
 
     def close_round(self, msg: RoundClose) -> None:

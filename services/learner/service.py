@@ -227,9 +227,13 @@ class LearnerService:
         group: list[tuple[TrainTask, Delivery]] = [(task, first[1])]
         rest, waiting[:] = list(waiting), []
         deadline = time.monotonic() + GATHER_S
+        # A round sends `sampled` tasks: once this learner holds them all, none is left to wait for.
+        whole_round = self.work.job_spec(task).clients.sampled
         while len(group) < self.settings.fuse_clients:
             if rest:
                 item: tuple[Task, Delivery] | None = rest.pop(0)
+            elif len(group) >= whole_round:
+                break
             else:
                 try:  # the broker sends a round's tasks in a burst: wait a moment for the rest
                     item = self._tasks.get(timeout=max(0.0, deadline - time.monotonic()))

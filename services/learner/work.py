@@ -211,6 +211,10 @@ class Work:
             return False
         return self._job(task.job_id, task.spec).spec.train.fuse
 
+    def job_spec(self, task: TrainTask) -> JobSpec:
+        """The task's job spec, as parsed when its job loaded (`fusable` loaded it)."""
+        return self._job(task.job_id, task.spec).spec
+
     def train_group(self, tasks: list[TrainTask]) -> list[ClientUpdate | Exception]:
         """Tasks of one fused job, round and global model, trained together in groups of at most
         `group_limit`; each task's update, or the error that fails it (its data, a divergence).

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body, Bus
 from fedmq.common.checkpoint import load_state
@@ -19,6 +21,7 @@ from fedmq.common.groups import group_of, members
 from fedmq.common.messages import ClientUpdate, GroupUpdate, from_wire, to_wire
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
+from fedmq.services.learner import service as learner_service
 from tests.conftest import assert_bit_identical, assert_matches_reference, small_job
 from tests.integration.conftest import Transport
 from tests.reference import reference_fedavg
@@ -98,3 +101,14 @@ def test_each_member_of_a_group_is_checked_as_if_alone_and_a_kept_member_changes
     assert reasons == ["non_finite"] * len(groups), "each group's all-NaN copy refused whole"
     assert result["updates_rejected"] == {"non_finite": sum(size + 1 for size in groups)}, (
         "each member of a refused copy counted, and each group's one NaN member")
+
+
+def test_a_learner_holding_every_task_of_a_round_trains_them_without_waiting_for_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group room for 64 tasks, a round of 6: once the learner holds the round's 6, no seventh
+    can come, so it trains at once (with an hour's wait for more, the job would never end)."""
+    monkeypatch.setattr(learner_service, "GATHER_S", 3600.0)
+    result = run_job(FUSED, Settings(state_dir=tmp_path, fuse_clients=64), idle_timeout=60)
+    assert result["status"] == "completed", result.get("reason")
+    assert result["fused_groups"] == [6, 6, 6]

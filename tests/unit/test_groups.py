@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedmq.common.errors import ValidationError
-from fedmq.common.groups import group_of, groupable, members
+from fedmq.common.groups import finite_rows, group_of, groupable, members
 from fedmq.common.messages import ClientUpdate, GroupUpdate, expect, from_wire, to_wire
 
 
@@ -47,3 +47,14 @@ def test_only_plain_updates_travel_in_groups() -> None:
     assert groupable(update(1))
     assert not groupable(update(1, extras={"c": torch.zeros(1)}))
     assert not groupable(update(1, weights={}, delta={"w": torch.zeros(1)}, compression={"codec": "int8"}))
+
+
+def test_finite_rows_names_each_member_with_a_nan_or_infinite_value_and_only_those() -> None:
+    updates = [update(c) for c in (1, 2, 3, 4)]
+    updates[1].weights["w"][2, 1] = float("nan")
+    updates[2].weights["b"][0] = float("-inf")
+    group = group_of(updates)
+    assert finite_rows(group) == [True, False, False, True]
+    members(group)  # the rows split as the members' own weights
+    assert [bool(torch.isfinite(u.weights["w"]).all() and torch.isfinite(u.weights["b"]).all())
+            for u in updates] == finite_rows(group)
