@@ -67,7 +67,12 @@ def test_a_fold_over_a_group_reads_each_stacked_tensor_once_and_gives_the_rows_b
     assert store.put_group(1, to_wire(group_of(sent)), clients) == clients
     reads: list[int] = []
     real = TensorFile._read
-    monkeypatch.setattr(TensorFile, "_read", lambda self, *a: reads.append(1) or real(self, *a))
+
+    def counted(self: TensorFile, offset: int, size: int) -> bytearray:
+        reads.append(size)
+        return real(self, offset, size)
+
+    monkeypatch.setattr(TensorFile, "_read", counted)
     rows = [store.read_update(1, c) for c in clients]
     mean = WeightedMean([(row, float(u.num_examples)) for row, u in zip(rows, sent, strict=True)])
     expected = WeightedMean([(u.weights, float(u.num_examples)) for u in sent])
