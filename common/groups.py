@@ -42,10 +42,13 @@ def finite_rows(group: GroupUpdate) -> list[bool]:
     """For each member, whether every floating value of its weights is finite: one check per
     stacked tensor, not one per member and tensor (call after `members`, which checks the shapes)."""
     finite = torch.ones(len(group.members), dtype=torch.bool)
-    for stacked in group.weights.values():
-        if stacked.is_floating_point():
-            finite &= torch.isfinite(stacked.reshape(stacked.shape[0], -1)).all(dim=1)
-    return finite.tolist()
+    try:
+        for stacked in group.weights.values():
+            if stacked.is_floating_point():
+                finite &= torch.isfinite(stacked.reshape(stacked.shape[0], -1)).all(dim=1)
+    except (RuntimeError, NotImplementedError, TypeError):  # a dtype isfinite cannot take (float8):
+        return [False] * len(group.members)  # each member is checked alone, and refused for its dtype
+    return [bool(ok) for ok in finite.tolist()]
 
 
 def group_of(updates: list[ClientUpdate]) -> GroupUpdate:

@@ -8,12 +8,15 @@ lowest sequence number naming it. Files are only added while a round is open and
 stored is never stored again, so the rule gives the same answer as the files arrive and when the
 folder is scanned after a restart.
 
-A member's tensor is a fresh copy of its row each read. The group reads a stacked tensor whole
-the first time one of its rows is asked for and keeps it until each row of it has been read once
-(or another tensor of the group is read): a fold over the members, tensor by tensor, reads each
-group file once per tensor rather than once per member and tensor (100 members of a 4-tensor
-model: 4 reads, not 400). That is one tensor per member in memory while a tensor is folded, as
-reading each member's row alone and keeping it would be; the same bytes, so the same bits.
+A member's tensor is a fresh copy of its row each read. A fold over the members tensor by tensor
+(a FedAvg mean) would open the group file once per member and tensor (100 members of a 4-tensor
+model: 400 reads a round); so a small stacked tensor (at most CACHE_BYTES) is read whole the first
+time one of its rows is asked for and kept until each row the store adopted from the group has been
+read once, or another tensor is asked for. A reader that walks one member's tensors and then the
+next member's (a clip, a norm) would evict it at each step: the first time another tensor is asked
+for while rows of the kept one are unread, the group stops keeping and reads rows alone from then
+on. At most one CACHE_BYTES stack per group file beside what a reader holds; the same bytes, so
+the same bits.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from fedmq.common import codec
 
 GROUP_PREFIX = "g"
+CACHE_BYTES = 1 << 20  # the largest stacked tensor a group keeps between reads of its rows
 SHARED = ("round", "base_digest", "learner", "fetch_seconds", "fetch_bytes")  # a group's, every member's
 
 
@@ -41,19 +45,26 @@ class GroupFile:
         shared = {k: fields.get(k) for k in SHARED}
         self.members: list[dict[str, Any]] = [{**shared, **dict(m)} for m in fields.get("members", [])]
 
-        self._stacked: tuple[str, torch.Tensor, set[int]] | None = None  # name, tensor, rows not yet read
+        self.adopted: set[int] = set()  # the rows the store reads as its members' updates
+        self._stacked: tuple[str, torch.Tensor, set[int]] | None = None  # name, tensor, adopted rows unread
+        self._keeping = True
 
     def row(self, row: int) -> GroupRow:
         return GroupRow(self, row)
 
     def read_row(self, name: str, row: int) -> torch.Tensor:
-        """Row `row` of tensor `name`, a fresh tensor (see the module's docstring for what is kept)."""
+        """Row `row` of tensor `name`, a fresh tensor (the module's docstring says what is kept)."""
         kept = self._stacked
-        if kept is None or kept[0] != name:
+        if kept is not None and kept[0] != name:
+            self._stacked = None
+            self._keeping = not kept[2]  # asked for another tensor before the rows of this one
+            kept = None
+        if kept is None:
             dtype, shape = self.tensors.meta(name)
-            if not len(shape) or not 0 <= row < shape[0]:
-                raise IndexError(f"tensor {name!r} {list(shape)} has no row {row}")
-            kept = self._stacked = (name, self.tensors[name], set(range(shape[0])))
+            size = shape.numel() * dtype.itemsize
+            if not self._keeping or size > CACHE_BYTES or not len(shape) or not 0 <= row < shape[0]:
+                return self.tensors.row(name, row)
+            kept = self._stacked = (name, self.tensors[name], set(self.adopted or range(shape[0])))
         _, stacked, unread = kept
         unread.discard(row)
         if not unread:

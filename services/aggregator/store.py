@@ -165,8 +165,11 @@ class JobStore:
             path = self._updates(server_round) / f"{GROUP_PREFIX}{seq}.msg"
             _put(path, body, self.sync)
             self._group_seq[server_round] = seq
-            group = GroupFile(path)
-            index.update({client: (group, row) for row, client in enumerate(members) if client in new})
+            group, adopting = GroupFile(path), set(new)
+            for row, client in enumerate(members):
+                if client in adopting:
+                    index[client] = (group, row)
+                    group.adopted.add(row)
         return new
 
     def read_update(self, server_round: int, client: int) -> codec.TensorFile | GroupRow:
@@ -206,6 +209,7 @@ class JobStore:
                     client = int(member["client"])
                     if client not in index and client not in singles:
                         index[client] = (group, row)
+                        group.adopted.add(row)
                 self._group_seq[server_round] = int(path.stem[1:])
             self._groups[server_round] = index
         return index

@@ -244,9 +244,10 @@ class LearnerService:
                 break
             deadline = time.monotonic() + GATHER_S  # the burst goes on: wait for its next task
             other = item[0]
-            if isinstance(other, TrainTask) and (other.job_id, other.round, other.model_digest) == key:
+            if (isinstance(other, TrainTask) and (other.job_id, other.round, other.model_digest) == key
+                    and all(other.client != mine.client for mine, _ in group)):
                 group.append((other, item[1]))
-            else:
+            else:  # another job's, round's, or a second copy of a client's (a nudge): not this group's
                 waiting.append(item)
         waiting.extend(rest)
         return group

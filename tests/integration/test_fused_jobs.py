@@ -18,7 +18,7 @@ from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body, Bus
 from fedmq.common.checkpoint import load_state
 from fedmq.common.groups import group_of, members
-from fedmq.common.messages import ClientUpdate, GroupUpdate, from_wire, to_wire
+from fedmq.common.messages import ClientUpdate, GroupUpdate, TrainTask, from_wire, to_wire
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
 from fedmq.services.learner import service as learner_service
@@ -112,3 +112,37 @@ def test_a_learner_holding_every_task_of_a_round_trains_them_without_waiting_for
     result = run_job(FUSED, Settings(state_dir=tmp_path, fuse_clients=64), idle_timeout=60)
     assert result["status"] == "completed", result.get("reason")
     assert result["fused_groups"] == [6, 6, 6]
+
+
+def twice(connect: Callable[[str], Bus]) -> Callable[[str], Bus]:
+    """The scheduler's bus sends each training task twice, as a nudge resends a task (same id)."""
+
+    def make(name: str) -> Bus:
+        bus = connect(name)
+        if name != "scheduler":
+            return bus
+        publish = bus.publish
+
+        def publish_twice(queue: str, body: Body, **kwargs: Any) -> None:
+            publish(queue, body, **kwargs)
+            if isinstance(from_wire(body), TrainTask):
+                publish(queue, body, **kwargs)
+
+        bus.publish = publish_twice  # type: ignore[method-assign]
+        return bus
+
+    return make
+
+
+def test_a_second_copy_of_a_clients_task_goes_to_another_group_not_beside_the_first(
+    transport: Transport,
+) -> None:
+    """A group holds a client once: two copies in one group would be refused whole by the aggregator
+    (a client twice), and the round would wait for its deadline."""
+    alone = run_job(FUSED, Settings(state_dir=transport.settings.state_dir / "alone"), idle_timeout=60)
+    result = run_job(FUSED, transport.settings, connect=twice(transport.connect), idle_timeout=60)
+    assert result["status"] == "completed", result.get("reason")
+    reasons = {reason.split(":")[0] for reason, _ in transport.dead()}
+    assert reasons <= {"stale_round"}, "copies trained after their round closed only, no group refused"
+    assert sum(result["fused_groups"]) >= 18 and max(result["fused_groups"]) <= 6
+    assert_bit_identical(load_state(result["model_path"])[0], load_state(alone["model_path"])[0])

@@ -10,6 +10,7 @@ import torch
 from fedmq.common.codec.files import TensorFile
 from fedmq.common.groups import group_of
 from fedmq.common.messages import to_wire
+from fedmq.services.aggregator import grouped
 from fedmq.services.aggregator.kernels.mean import WeightedMean
 from fedmq.services.aggregator.store import JobStore
 from tests.unit.test_groups import update
@@ -82,3 +83,60 @@ def test_a_fold_over_a_group_reads_each_stacked_tensor_once_and_gives_the_rows_b
     first = rows[0]["w"]
     first.add_(1)  # a fresh tensor each read: an edit changes nothing kept or stored
     assert torch.equal(rows[0]["w"], sent[0].weights["w"])
+
+
+def test_a_reader_walking_each_members_tensors_in_turn_reads_rows_not_whole_stacks_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clip or a norm reads one member's tensors, then the next member's: the group stops keeping
+    stacks at the first sign, so at most one stack is read whole, the rest row by row."""
+    clients = list(range(10))
+    sent = [update(c) for c in clients]
+    store = JobStore(tmp_path, "job")
+    store.put_group(1, to_wire(group_of(sent)), clients)
+    read: list[int] = []
+    real = TensorFile._read
+
+    def counted(self: TensorFile, offset: int, size: int) -> bytearray:
+        read.append(size)
+        return real(self, offset, size)
+
+    monkeypatch.setattr(TensorFile, "_read", counted)
+    for client, one in zip(clients, sent, strict=True):
+        row = store.read_update(1, client)
+        for name, tensor in one.weights.items():
+            assert torch.equal(row[name], tensor)
+    rows = sum(t.numel() * t.element_size() for t in sent[0].weights.values()) * len(clients)
+    stack = sent[0].weights["w"].numel() * sent[0].weights["w"].element_size() * len(clients)
+    assert sum(read) <= rows + stack, (sum(read), rows, stack)
+
+
+def test_a_stack_over_the_cache_size_is_read_row_by_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grouped, "CACHE_BYTES", 8)
+    clients = [3, 4, 5]
+    sent = [update(c) for c in clients]
+    store = JobStore(tmp_path, "job")
+    store.put_group(1, to_wire(group_of(sent)), clients)
+    reads: list[int] = []
+    real = TensorFile._read
+
+    def counted(self: TensorFile, offset: int, size: int) -> bytearray:
+        reads.append(size)
+        return real(self, offset, size)
+
+    monkeypatch.setattr(TensorFile, "_read", counted)
+    mean = WeightedMean([(store.read_update(1, c), 1.0) for c in clients])
+    assert torch.equal(mean["w"], WeightedMean([(u.weights, 1.0) for u in sent])["w"])
+    assert reads == [sent[0].weights["w"].numel() * 4] * 3, "each member's row alone"
+
+
+def test_a_groups_kept_stack_is_let_go_once_every_adopted_row_is_read(tmp_path: Path) -> None:
+    store = JobStore(tmp_path, "job")
+    store.put_update(1, 4, to_wire(update(4)))  # stored alone first: the group's copy of 4 is not adopted
+    store.put_group(1, to_wire(group_of([update(c) for c in (2, 4, 6)])), [2, 4, 6])
+    for client in (2, 6):
+        store.read_update(1, client)["w"]
+    group, _ = store._grouped(1)[2]
+    assert group.adopted == {0, 2} and group._stacked is None

@@ -58,3 +58,8 @@ def test_finite_rows_names_each_member_with_a_nan_or_infinite_value_and_only_tho
     members(group)  # the rows split as the members' own weights
     assert [bool(torch.isfinite(u.weights["w"]).all() and torch.isfinite(u.weights["b"]).all())
             for u in updates] == finite_rows(group)
+
+
+def test_finite_rows_of_a_dtype_isfinite_cannot_take_leaves_each_member_to_its_own_checks() -> None:
+    updates = [update(c, weights={"w": torch.zeros(2, dtype=torch.float8_e4m3fnuz)}) for c in (1, 2)]
+    assert finite_rows(group_of(updates)) == [False, False]  # not an error: each is then refused alone
