@@ -31,7 +31,7 @@ import torch
 from fedmq.common import codec
 
 GROUP_PREFIX = "g"
-CACHE_BYTES = 1 << 20  # the largest stacked tensor a group keeps between reads of its rows
+CACHE_BYTES = 16 << 20  # the largest stacked tensor a group keeps between reads of its rows (16 MiB)
 SHARED = ("round", "base_digest", "learner", "fetch_seconds", "fetch_bytes")  # a group's, every member's
 
 
