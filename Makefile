@@ -18,7 +18,7 @@ run: $(STAMP)
 # Soak tests (a three-node broker cluster, a storm of broker-side closes) run with `make test-soak`.
 TEST_WORKERS ?= 4
 test: lint broker tools
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not soak"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not soak" --durations=25
 
 # Soak tests: minutes of CPU each (tests marked `soak`: a job across a three-node RabbitMQ
 # cluster losing each node in turn, a storm of closes); outside `make test` (CI: 20 minutes, 2 cores).

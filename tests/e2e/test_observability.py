@@ -6,6 +6,7 @@ import json
 import re
 import socket
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -43,9 +44,8 @@ def dashboard_metrics() -> set[str]:
     return {m for e in exprs for m in re.findall(r"fedmq_[a-z_]+", e)}
 
 
-@pytest.fixture(scope="module")
-def finished_job(tmp_path_factory: pytest.TempPathFactory) -> Finished:
-    root = tmp_path_factory.mktemp("obs")
+def finished_job(root: Path) -> Finished:
+    root.mkdir(parents=True)
     spec = root / "job.yaml"
     spec.write_text(
         (REPO / "examples" / "digits-100.yaml").read_text()
@@ -75,8 +75,8 @@ def finished_job(tmp_path_factory: pytest.TempPathFactory) -> Finished:
 SEEN: dict[str, str] = {}  # what the user saw: `watch` (its summary), its --json, `status --json`
 
 
-def test_a_tasks_own_metric_shows_in_watch_status_and_the_aggregators_metrics(finished_job: Finished) -> None:
-    samples, _ = finished_job
+def check_a_tasks_own_metric_shows_in_watch_status_and_the_aggregators_metrics(finished: Finished) -> None:
+    samples, _ = finished
     assert "server.margin: final" in SEEN["watch"]  # the summary watch prints
     assert "margin" in json.loads(SEEN["watch_json"])["history"][-1]["metrics"]["train"]
     (job,) = json.loads(SEEN["status_json"])
@@ -89,8 +89,8 @@ def total(samples: dict[str, Samples], name: str) -> float:
     return sum(v for per_service in samples.values() for _, v in per_service.get(name, []))
 
 
-def test_every_metric_the_dashboard_plots_is_exported(finished_job: Finished) -> None:
-    samples, _ = finished_job
+def check_every_metric_the_dashboard_plots_is_exported(finished: Finished) -> None:
+    samples, _ = finished
     exported = {name for per_service in samples.values() for name in per_service}
     wanted = dashboard_metrics()
     assert wanted, "the dashboard has no fedmq queries"
@@ -98,8 +98,8 @@ def test_every_metric_the_dashboard_plots_is_exported(finished_job: Finished) ->
         assert {name, f"{name}_total", f"{name}_bucket"} & exported, f"{name} is not exported"
 
 
-def test_the_metrics_agree_with_the_job(finished_job: Finished) -> None:
-    samples, _ = finished_job
+def check_the_metrics_agree_with_the_job(finished: Finished) -> None:
+    samples, _ = finished
     assert total(samples, "fedmq_rounds_completed_total") == 3
     exported = samples["aggregator"]["fedmq_round_metric"]
     metrics = {(labels["source"], labels["name"]): v for labels, v in exported}
@@ -113,8 +113,8 @@ def test_the_metrics_agree_with_the_job(finished_job: Finished) -> None:
     assert 1 <= total(samples, "fedmq_learner_model_fetches_total") <= 2 * 3
 
 
-def test_log_lines_written_while_handling_a_round_are_json_with_job_and_round(finished_job: Finished) -> None:
-    _, logs = finished_job
+def check_log_lines_written_while_handling_a_round_are_json_with_job_and_round(finished: Finished) -> None:
+    _, logs = finished
     handling = {"update_accepted", "round_closed", "task_trained", "round_closing"}
     seen = set()
     for name, text in logs.items():
@@ -124,3 +124,24 @@ def test_log_lines_written_while_handling_a_round_are_json_with_job_and_round(fi
                 assert record.get("job"), (name, record)
                 seen.add(record["event"])
     assert seen == handling
+
+
+CHECKS = [
+    check_a_tasks_own_metric_shows_in_watch_status_and_the_aggregators_metrics,
+    check_every_metric_the_dashboard_plots_is_exported,
+    check_the_metrics_agree_with_the_job,
+    check_log_lines_written_while_handling_a_round_are_json_with_job_and_round,
+]
+
+
+def test_a_finished_jobs_metrics_logs_and_watch_say_what_happened(tmp_path: Path) -> None:
+    """One test over one job run, not a test per check sharing a module fixture: pytest-xdist's
+    worksteal may split a module's tests across workers, each then running the job again."""
+    finished = finished_job(tmp_path / "obs")
+    failures = {}
+    for check in CHECKS:
+        try:
+            check(finished)
+        except Exception as exc:  # each check's failure is reported, not only the first
+            failures[check.__name__] = f"{type(exc).__name__}: {exc}"
+    assert not failures, "\n\n".join(f"{name}: {why}" for name, why in failures.items())
