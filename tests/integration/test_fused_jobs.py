@@ -134,6 +134,7 @@ def twice(connect: Callable[[str], Bus]) -> Callable[[str], Bus]:
     return make
 
 
+@pytest.mark.slow  # two jobs, one training every task twice: kept out of the 2-minute tier
 def test_a_second_copy_of_a_clients_task_goes_to_another_group_not_beside_the_first(
     transport: Transport,
 ) -> None:
