@@ -3,7 +3,8 @@
     rabbitmq  needs a real broker: marked where the test is (a module's `pytestmark`, a decorator,
               the `transport` fixture's RabbitMQ parameter); a test that reaches the broker
               without the marker fails (tests/rabbit.py), so a missing marker cannot go unnoticed
-    slow      everything under tests/e2e (real processes), plus the fuzzers marked by hand
+    slow      everything under tests/e2e (real processes), plus what is marked by hand: fuzzers, and
+              in-memory runs of several seconds that keep `make test-fast` under 2 minutes
 
 `make test-fast` runs `pytest -m "not rabbitmq and not slow"`.
 """

@@ -69,6 +69,7 @@ def test_every_round_reports_its_update_bytes_and_compression_lowers_them(
     assert half["final"]["transport.update_bytes"] == update_bytes(half)[-1]
 
 
+@pytest.mark.slow  # 3 s each, four runs: kept out of the 2-minute tier
 @pytest.mark.parametrize("residual", ["float32", "bfloat16", "int8"])
 def test_topk_with_error_feedback_runs_the_same_twice_and_stopped_and_resumed_ends_as_an_undisturbed_run(
     settings: Settings, tmp_path: Path, residual: str

@@ -28,6 +28,7 @@ DP = {"clip_norm": 1.0, "noise_multiplier": 1.1, "delta": 1e-4}
 PRIVATE = small_job(clients__total=6, rounds=3, train__dp_sgd=DP)
 
 
+@pytest.mark.slow  # 11 s in memory; tests/unit/test_dpsgd.py covers DP-SGD in the 2-minute tier
 def test_a_dp_sgd_job_is_bit_identical_on_either_bus_and_reports_its_weakest_client_s_epsilon(
     transport: Transport, tmp_path: Path
 ) -> None:

@@ -11,7 +11,9 @@ from fedmq.services.cli.embedded import run_job
 from tests.conftest import REPO, EmbeddedRuns, assert_bit_identical
 from tests.integration.conftest import Transport
 
-EXAMPLES = ["digits", "digits-dp", "regression", "gan", "charlm"]
+SLOW = pytest.mark.slow  # 6 s each in memory: kept out of the 2-minute tier
+EXAMPLES = ["digits", "digits-dp", "regression",
+            *(pytest.param(name, marks=SLOW) for name in ("gan", "charlm"))]
 
 
 def short(name: str) -> JobSpec:

@@ -488,6 +488,7 @@ print(json.dumps({"rss_delta": rss_delta, "index_peak": index_peak, "read_peak":
 """
 
 
+@pytest.mark.slow  # 7 s: a large file's peak memory
 @pytest.mark.skipif(sys.platform == "win32", reason="needs the resource module")
 def test_indexing_and_reading_each_tensor_once_holds_about_one_tensor_in_memory(tmp_path: Path) -> None:
     tensor_bytes = 4 * 1024**2

@@ -191,6 +191,7 @@ def test_median_is_the_same_bits_whatever_the_slice_size() -> None:
 # --- trimmed mean ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a fuzzer: 26 s of the 2-minute tier
 @settings(max_examples=60, deadline=None)
 @given(
     dtype=st.sampled_from([torch.float64, torch.float32, torch.float16, torch.bfloat16]),

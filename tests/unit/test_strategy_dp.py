@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pytest
 import torch
-from opacus.accountants.rdp import RDPAccountant
 
 from fedmq.common.errors import AggregationError, ConfigError
 from fedmq.common.jobspec import StrategySpec
 from fedmq.common.strategy.contract import Aggregate, ClientFailed, ClientResult, RoundContext, StateDict
 from fedmq.common.strategy.loading import make_strategy, strategy_options
 from fedmq.services.aggregator.strategies.dp import DPFedAvg
+from tests.unit.test_privacy import opacus_epsilon
 
 TOTAL = 20
 
@@ -24,16 +23,6 @@ def dp(name: str = "dp_fedavg", **options: float | bool) -> DPFedAvg:
     strategy = make_strategy(StrategySpec(name=name, options=options))
     assert isinstance(strategy, DPFedAvg)
     return strategy
-
-
-def opacus_epsilon(z: float, q: float, rounds: int, delta: float) -> float:
-    """What a user of Opacus gets: one accountant step per round, then get_epsilon."""
-    accountant = RDPAccountant()
-    for _ in range(rounds):
-        accountant.step(noise_multiplier=z, sample_rate=q)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return float(accountant.get_epsilon(delta=delta))
 
 
 def client_weights(seed: int, clients: int, scale: float = 1.0) -> list[StateDict]:
@@ -68,6 +57,7 @@ def zeros() -> StateDict:
 # --- privacy accounting ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 4-5 s each: kept out of the 2-minute tier
 @pytest.mark.parametrize("name", ["dp_fedavg", "dp_fedavg_adaptive"])
 def test_the_reported_epsilon_is_opacus_rdp_accountants_every_round_and_after_a_restore(name: str) -> None:
     z, delta = 1.1, 1e-4
