@@ -24,6 +24,7 @@ from fedmq.common.checkpoint import load_state
 from tests.conftest import REPO
 from tests.e2e.cluster import Cluster, cluster
 from tests.e2e.test_observability import scrape
+from tests.rabbit_cluster import free_ports
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -41,11 +42,7 @@ def _spec(tmp_path: Path, name: str, port: int, restarts: int = 1, **options: ob
 
 
 def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]  # below the ephemeral range: no outgoing connection takes it meanwhile
 
 
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO
 from tests.e2e.cluster import cluster
+from tests.rabbit_cluster import free_ports
 
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "fedmq.json"
 
@@ -20,9 +20,10 @@ pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, below the ephemeral range: a port the kernel hands out for binding 0 may
+    go to another test's outgoing connection before a service binds it (seen in CI: a learner
+    died of "Address already in use" on its metrics port)."""
+    return free_ports(1)[0]
 
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]  # by metric name: (labels, value)
@@ -52,8 +53,7 @@ def finished_job(root: Path) -> Finished:
         .replace("rounds: 30", "rounds: 3").replace("epochs: 5", "epochs: 1")
         .replace("  name: digits ", "  name: 'tests.integration.train_plugins:WithMargin' ")
     )
-    ports = {"scheduler": free_port(), "aggregator": free_port(), "learner-0": free_port(),
-             "learner-1": free_port()}
+    ports = dict(zip(("scheduler", "aggregator", "learner-0", "learner-1"), free_ports(4), strict=True))
     with cluster(root, learners=0) as c:
         for name in ("scheduler", "aggregator"):
             c.stop(name)
