@@ -16,6 +16,20 @@ from fedmq.services.aggregator.store import JobStore
 from tests.unit.test_groups import update
 
 
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every read of a stored file's tensor data, as the test goes."""
+    sizes: list[int] = []
+    real = TensorFile._read
+
+    def counted(self: TensorFile, offset: int, size: int) -> bytearray:
+        sizes.append(size)
+        return real(self, offset, size)
+
+    monkeypatch.setattr(TensorFile, "_read", counted)
+    return sizes
+
+
 def test_a_stored_group_gives_each_new_member_its_row_and_a_restart_reads_the_same(tmp_path: Path) -> None:
     store = JobStore(tmp_path, "job")
     store.put_update(3, 4, to_wire(update(4)))  # a single update first: it wins over a group's copy
@@ -60,20 +74,12 @@ def test_an_early_copy_of_a_client_a_group_holds_is_not_adopted_over_it(tmp_path
 
 
 def test_a_fold_over_a_group_reads_each_stacked_tensor_once_and_gives_the_rows_bits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, reads: list[int]
 ) -> None:
     clients = list(range(10))
     sent = [update(c) for c in clients]
     store = JobStore(tmp_path, "job")
     assert store.put_group(1, to_wire(group_of(sent)), clients) == clients
-    reads: list[int] = []
-    real = TensorFile._read
-
-    def counted(self: TensorFile, offset: int, size: int) -> bytearray:
-        reads.append(size)
-        return real(self, offset, size)
-
-    monkeypatch.setattr(TensorFile, "_read", counted)
     rows = [store.read_update(1, c) for c in clients]
     mean = WeightedMean([(row, float(u.num_examples)) for row, u in zip(rows, sent, strict=True)])
     expected = WeightedMean([(u.weights, float(u.num_examples)) for u in sent])
@@ -86,7 +92,7 @@ def test_a_fold_over_a_group_reads_each_stacked_tensor_once_and_gives_the_rows_b
 
 
 def test_a_reader_walking_each_members_tensors_in_turn_reads_rows_not_whole_stacks_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, reads: list[int]
 ) -> None:
     """A clip or a norm reads one member's tensors, then the next member's: the group stops keeping
     stacks at the first sign, so at most one stack is read whole, the rest row by row."""
@@ -94,39 +100,23 @@ def test_a_reader_walking_each_members_tensors_in_turn_reads_rows_not_whole_stac
     sent = [update(c) for c in clients]
     store = JobStore(tmp_path, "job")
     store.put_group(1, to_wire(group_of(sent)), clients)
-    read: list[int] = []
-    real = TensorFile._read
-
-    def counted(self: TensorFile, offset: int, size: int) -> bytearray:
-        read.append(size)
-        return real(self, offset, size)
-
-    monkeypatch.setattr(TensorFile, "_read", counted)
     for client, one in zip(clients, sent, strict=True):
         row = store.read_update(1, client)
         for name, tensor in one.weights.items():
             assert torch.equal(row[name], tensor)
     rows = sum(t.numel() * t.element_size() for t in sent[0].weights.values()) * len(clients)
     stack = sent[0].weights["w"].numel() * sent[0].weights["w"].element_size() * len(clients)
-    assert sum(read) <= rows + stack, (sum(read), rows, stack)
+    assert sum(reads) <= rows + stack, (sum(reads), rows, stack)
 
 
 def test_a_stack_over_the_cache_size_is_read_row_by_row(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reads: list[int]
 ) -> None:
     monkeypatch.setattr(grouped, "CACHE_BYTES", 8)
     clients = [3, 4, 5]
     sent = [update(c) for c in clients]
     store = JobStore(tmp_path, "job")
     store.put_group(1, to_wire(group_of(sent)), clients)
-    reads: list[int] = []
-    real = TensorFile._read
-
-    def counted(self: TensorFile, offset: int, size: int) -> bytearray:
-        reads.append(size)
-        return real(self, offset, size)
-
-    monkeypatch.setattr(TensorFile, "_read", counted)
     mean = WeightedMean([(store.read_update(1, c), 1.0) for c in clients])
     assert torch.equal(mean["w"], WeightedMean([(u.weights, 1.0) for u in sent])["w"])
     assert reads == [sent[0].weights["w"].numel() * 4] * 3, "each member's row alone"
