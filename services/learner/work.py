@@ -209,7 +209,7 @@ class Work:
         train = task.spec.get("train")
         if not (isinstance(train, dict) and train.get("fuse") is True) or task.config.get(CLIENT_STATE):
             return False
-        return self._job(task.job_id, task.spec).spec.train.fuse
+        return self.job_spec(task).train.fuse
 
     def job_spec(self, task: TrainTask) -> JobSpec:
         """The task's job spec, as parsed when its job loaded (`fusable` loaded it)."""
