@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 JOB    ?= examples/digits.yaml
 
-.PHONY: run test test-fast test-soak test-compose install lint bench broker tools clean
+.PHONY: run test test-fast test-soak test-compose install lint bench broker tools clean device-kit
 
 run: $(STAMP)
 	$(BIN)/fedmq run $(JOB)
@@ -73,6 +73,13 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fused_run.py
 	$(BIN)/python benchmarks/many_clients.py
 	$(BIN)/python benchmarks/first_round.py
+	$(BIN)/python benchmarks/gpu_round.py --rounds 3
+	$(BIN)/python benchmarks/learner_scaling.py --learners 1,2
 
 clean:
 	rm -rf $(VENV) .fedmq .pytest_cache .mypy_cache .hypothesis
+
+# What the device tool's GPU machine lacks (fedmq's dependencies as wheels for its Python, Erlang and
+# RabbitMQ), packed into .device/ for scripts/device-check.sh (README, "On a GPU machine").
+device-kit: $(STAMP)
+	scripts/device-kit.sh $(BIN)/python

@@ -2,8 +2,9 @@
 
 Both train every client of a round from the global weights with the same batches (each client's
 generator seeded alike) and average with FedAvg in the same loop; only the training differs.
-This measures the training kernel; fused training is not yet what `fedmq run` or a learner uses.
-Prints one JSON object. Usage: python benchmarks/fused.py [--rounds N]
+This measures the training kernel alone (benchmarks/fused_run.py measures `fedmq run`).
+`--device cuda` trains both on a GPU (IEEE float32, no TF32), timed after a synchronize.
+Prints one JSON object. Usage: python benchmarks/fused.py [--rounds N] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from fedmq.common.task.loop import train_with_loss  # noqa: E402
 from fedmq.common.task.runtime import TaskRuntime  # noqa: E402
 
 
-def contexts(spec: Any, weights: dict[str, torch.Tensor], server_round: int) -> list[TrainContext]:
+def contexts(
+    spec: Any, weights: dict[str, torch.Tensor], server_round: int, device: torch.device
+) -> list[TrainContext]:
     t = spec.train
     settings = TrainSettings(epochs=t.epochs, batch_size=t.batch_size, optimizer=t.optimizer, lr=t.lr,
                              momentum=t.momentum, weight_decay=t.weight_decay)
     return [
-        TrainContext(client=c, round=server_round, seed=spec.seed, train=settings, device=torch.device("cpu"),
+        TrainContext(client=c, round=server_round, seed=spec.seed, train=settings, device=device,
                      generator=torch.Generator().manual_seed(spec.seed * 1_000_003 + server_round * 1009 + c),
                      global_weights=weights)
         for c in range(spec.clients.total)
@@ -46,18 +49,18 @@ def fedavg(states: list[dict[str, torch.Tensor]], counts: list[int]) -> dict[str
     return {n: sum(s[n] * (k / total) for s, k in zip(states, counts, strict=True)) for n in states[0]}  # type: ignore[misc]
 
 
-def run(clients: int, epochs: int, rounds: int, fused: bool) -> dict[str, Any]:
+def run(clients: int, epochs: int, rounds: int, fused: bool, device: torch.device) -> dict[str, Any]:
     spec = load_job(REPO / "examples" / "digits.yaml", {
         "clients.total": clients, "clients.per_round": clients, "clients.min_fit": 1, "train.epochs": epochs,
     })
     runtime = TaskRuntime.for_job(spec)
-    model = runtime.build_model()
+    model = runtime.build_model().to(device)
     data = [runtime.load_data(c, None).train for c in range(clients)]
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     seconds = []
     for r in range(1, rounds + 1):
         started = time.perf_counter()
-        ctxs = contexts(spec, weights, r)
+        ctxs = contexts(spec, weights, r, device)
         if fused:
             model.load_state_dict(weights)
             out = train_fused(runtime.task, model, data, ctxs)
@@ -71,6 +74,8 @@ def run(clients: int, epochs: int, rounds: int, fused: bool) -> dict[str, Any]:
                 states.append({n: p.detach().clone() for n, p in model.named_parameters()})
                 counts.append(result.num_examples)
         weights = fedavg(states, counts)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - started)
     steady = seconds[1:]
     return {"round_s_median": statistics.median(steady), "round_s_first": seconds[0], "weights": weights}
@@ -79,13 +84,17 @@ def run(clients: int, epochs: int, rounds: int, fused: bool) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 1)))
-    report: dict[str, Any] = {"cpus": os.cpu_count(), "rounds": args.rounds, "cases": {}}
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    report: dict[str, Any] = {"benchmark": "fused", "device": _describe(device), "cpus": os.cpu_count(),
+                              "rounds": args.rounds, "cases": {}}
     # about 5 local SGD steps per client at both sizes (batch 32, Dirichlet-skewed clients)
     for clients, epochs in ((10, 1), (100, 5)):
-        plain = run(clients, epochs, args.rounds, fused=False)
-        fused = run(clients, epochs, args.rounds, fused=True)
+        plain = run(clients, epochs, args.rounds, fused=False, device=device)
+        fused = run(clients, epochs, args.rounds, fused=True, device=device)
         gap = max(float((plain["weights"][n] - fused["weights"][n]).abs().max()) for n in plain["weights"])
         report["cases"][f"{clients}_clients_per_round"] = {
             "epochs": epochs,
@@ -95,6 +104,10 @@ def main() -> None:
             "max_weight_gap_after_all_rounds": gap,
         }
     print(json.dumps(report, indent=2))
+
+
+def _describe(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 if __name__ == "__main__":

@@ -85,3 +85,23 @@ def test_a_job_gives_the_cpu_weights_within_float_error_on_any_device(
     assert weights.keys() == on_cpu.keys()
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, on_cpu[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_fused_job_gives_the_unfused_cpu_weights_within_float_error_on_any_device(
+    tmp_path: Path, device: str, embedded_runs: EmbeddedRuns
+) -> None:
+    """Clients trained together (train.fuse: vmapped steps, batched products, padded batches) on
+    the device land where the same clients trained one by one on the CPU do."""
+    spec = small_job(clients__total=8, clients__per_round=5)
+    on_cpu = embedded_runs.weights(spec)
+    fused = spec.model_copy(update={"train": spec.train.model_copy(update={"fuse": True})})
+    settings = Settings(state_dir=tmp_path, device=device, log_format="json")
+    with ieee_float32():
+        result = run_job(fused, settings, idle_timeout=60)
+    assert result["status"] == "completed"
+    assert result["fused_groups"], "the learner trained no group fused"
+    weights = load_state(result["model_path"])[0]
+    assert weights.keys() == on_cpu.keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, on_cpu[name], rtol=RTOL, atol=ATOL, msg=name)

@@ -1,0 +1,100 @@
+"""Throughput against learner processes: 1, 2, 4, 8 CPU learners on RabbitMQ (issue 16).
+
+Real scheduler, aggregator and N learner processes (one torch thread each) on a fresh vhost of
+the test broker (tests/rabbit.py), one job per N: digits, 40 clients every round, an MLP of two
+512-wide layers trained `--epochs` local epochs, so that a client's training (about 30 ms here)
+outweighs its messages. Throughput is clients trained per second of steady round (rounds after
+the second); the baseline is the one-learner run of the same job in the same run. The issue's
+target: 8 learners at least 6x one, on a machine with 16 cores.
+Prints one JSON object. Usage: python benchmarks/learner_scaling.py [--learners 1,2,4,8] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from fedmq.common.jobspec import JobSpec, parse_job  # noqa: E402
+from fedmq.common.logging import configure_logging  # noqa: E402
+from fedmq.common.messages import JobEvent, JobSubmit  # noqa: E402
+from fedmq.common.settings import Settings  # noqa: E402
+from fedmq.services.cli.embedded import new_job_id  # noqa: E402
+from fedmq.services.cli.remote import Remote  # noqa: E402
+from tests.e2e.cluster import cluster  # noqa: E402
+
+
+def job(clients: int, epochs: int, rounds: int) -> JobSpec:
+    return parse_job({
+        "name": "learner-scaling", "seed": 0,
+        "task": {"name": "digits", "options": {"model": {"name": "mlp", "hidden": [512, 512]},
+                                               "partition": {"kind": "iid"}}},
+        "clients": {"total": clients, "per_round": clients, "min_fit": clients},
+        "rounds": rounds,
+        "train": {"epochs": epochs, "batch_size": 16, "lr": 0.01},
+        "round_timeout_s": 600,
+    })
+
+
+def round_starts(spec: JobSpec, learners: int) -> list[float]:
+    """When each round started, and when the job ended, from the job's events."""
+    starts: dict[int, float] = {}
+    done = threading.Event()
+
+    def clock(event: JobEvent, t0: float) -> None:
+        now = time.perf_counter() - t0
+        if event.kind == "round_started" and event.round is not None:
+            starts[event.round] = now
+        elif event.kind in ("completed", "failed", "cancelled"):
+            assert event.kind == "completed", event
+            starts[spec.rounds + 1] = now
+            done.set()
+
+    with tempfile.TemporaryDirectory() as tmp, cluster(Path(tmp), learners=learners) as c:
+        c.wait_learners(learners, timeout=120)
+        with Remote(Settings(broker_url=c.url, state_dir=Path(tmp) / "cli")) as remote:
+            job_id = new_job_id(spec)
+            follower = remote.follow(job_id)
+            t0 = time.perf_counter()
+            remote.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
+            for event in follower.events(idle_timeout=600):
+                clock(event, t0)
+        c.stop_all()
+    return [starts[r] for r in range(1, spec.rounds + 2)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--learners", default="1,2,4,8")
+    parser.add_argument("--clients", type=int, default=40)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    configure_logging("json", "warning")
+    spec = job(args.clients, args.epochs, args.rounds)
+    report: dict[str, Any] = {"benchmark": "learner_scaling", "cpus": os.cpu_count(),
+                              "clients_per_round": args.clients, "epochs": args.epochs, "runs": {}}
+    for learners in (int(n) for n in args.learners.split(",")):
+        starts = round_starts(spec, learners)
+        steady = [b - a for a, b in zip(starts[2:], starts[3:], strict=False)]
+        median = statistics.median(steady)
+        report["runs"][str(learners)] = {"round_s_median": round(median, 4),
+                                         "clients_per_s": round(args.clients / median, 2)}
+    first = report["runs"][args.learners.split(",")[0]]["clients_per_s"]
+    for row in report["runs"].values():
+        row["throughput_over_first"] = round(row["clients_per_s"] / first, 2)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
