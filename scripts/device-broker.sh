@@ -3,10 +3,11 @@
 # broker installed: the GPU machine of the device tool, which gets Erlang and RabbitMQ from the
 # kit's rabbit.tar.xz (scripts/device-kit.sh), unpacked under /usr/lib where they were packed.
 #
-#   source scripts/device-broker.sh [kit-folder]     # exports RABBITMQ_NODENAME and PATH for rabbitmqctl
+#   source scripts/device-broker.sh [kit-folder]
 #
-# Everything the node writes stays under $FEDMQ_DEVICE_BROKER_HOME (/tmp/fedmq-rabbit); guest/guest
-# from loopback, as on a developer's machine, so the tests' broker URL works unchanged.
+# Exports what rabbitmqctl needs to find the node (PATH, RABBITMQ_NODENAME, ...) and the tests' broker
+# URL (FEDMQ_TEST_BROKER_URL, guest/guest from loopback as on a developer's machine). Everything the
+# node writes stays under $FEDMQ_DEVICE_BROKER_HOME (/tmp/fedmq-rabbit). `rabbitmqctl stop` stops it.
 # Returns non-zero (and says why) when the node does not come up; sourcing goes on either way.
 
 _fedmq_broker() {
@@ -32,11 +33,13 @@ _fedmq_broker() {
     export RABBITMQ_CONF_ENV_FILE="$home/rabbitmq-env.conf" RABBITMQ_CONFIG_FILE="$home/rabbitmq.conf"
     export RABBITMQ_ENABLED_PLUGINS_FILE="$home/enabled_plugins" RABBITMQ_MNESIA_BASE="$home/mnesia"
     export RABBITMQ_LOG_BASE="$home/log" RABBITMQ_PID_FILE="$home/pid"
+    export FEDMQ_TEST_BROKER_URL=${FEDMQ_TEST_BROKER_URL:-amqp://guest:guest@127.0.0.1:$port/}
     if rabbitmqctl -q status > /dev/null 2>&1; then
-        return 0  # already up (a second source)
+        echo "device-broker: $RABBITMQ_NODENAME already up"
+        return 0
     fi
     setsid rabbitmq-server > "$home/server.out" 2>&1 < /dev/null &
-    if ! rabbitmqctl -q wait "$home/pid" --timeout 90 > /dev/null 2>&1; then
+    if ! rabbitmqctl -q wait "$home/pid" --timeout 60 > /dev/null 2>&1; then
         echo "device-broker: the node did not start; $home/server.out says:" >&2
         tail -20 "$home/server.out" >&2
         return 1
