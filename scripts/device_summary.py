@@ -45,17 +45,17 @@ def figures(results: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
                      f"{speedup:.1f}x ({case['fused_round_s']:.4f} s a round)"))
     for name in ("gpu_round", "gpu_round_mq"):
         if (run := results.get(name)) is not None:
+            outside, whole = run["outside_training_s_median"], run["round_s_median"]
             rows.append((f"{name}, {run['model_mb']} MB on {run['device']}: outside training (target <= 1 s)",
-                         f"{run['outside_training_s_median']:.2f} s of a {run['round_s_median']:.2f} s round"))
+                         f"{outside:.2f} s of a {whole:.2f} s round"))
     if (scaling := results.get("scaling")) is not None:
         ratios = ", ".join(f"{n}: {row['throughput_over_first']}x" for n, row in scaling["runs"].items())
         rows.append((f"learners, throughput over one ({scaling['cpus']} cores; target 8 >= 6x)", ratios))
     if (run := results.get("fused_run")) is not None:
         for case in ("10_clients_per_round", "100_clients_per_round"):
             if case in run:
-                c = run[case]
-                rows.append((f"fedmq run, {case}: unfused / fused",
-                             f"{c['unfused_round_s'] / c['fused_round_s']:.1f}x ({c['fused_round_s']:.3f} s)"))
+                unfused, fused = run[case]["unfused_round_s"], run[case]["fused_round_s"]
+                rows.append((f"fedmq run, {case}: unfused / fused", f"{unfused / fused:.1f}x ({fused:.3f} s)"))
     return rows
 
 
