@@ -58,17 +58,27 @@ class Bank:
     ) -> tuple[Any, torch.Tensor]:
         """Each client's batch (`slices[j]`: indices into its own data) padded to `length` with its
         first example, stacked on a new leading axis, and the (G, length) float mask of real rows."""
+        index, mask = self.index(clients, slices, length)
+        device = self.parts[0].device
+        return self.take(index.reshape(-1).to(device), len(slices), length), mask.to(torch.float32).to(device)
+
+    def index(
+        self, clients: Sequence[int], slices: Sequence[torch.Tensor], length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where `rows` takes each batch's examples from, on the host: the (G, length) rows of the
+        bank (past a batch's size, its first example again) and the (G, length) bool mask of real ones."""
         sizes = torch.tensor([len(s) for s in slices], dtype=torch.int64)
         flat = torch.cat(list(slices)) + torch.repeat_interleave(self.offsets[list(clients)], sizes)
         firsts = flat[torch.cumsum(sizes, 0) - sizes]
         mask = torch.arange(length).unsqueeze(0) < sizes.unsqueeze(1)
         index = firsts.unsqueeze(1).expand(len(slices), length).clone()
         index[mask] = flat  # row-major: row j's positions below its size take its slice, in order
-        device = self.parts[0].device
-        at = index.reshape(-1).to(device)
-        taken = [part.index_select(0, at).reshape(len(slices), length, *part.shape[1:])
-                 for part in self.parts]
-        return _rebuild(self.template, taken), mask.to(torch.float32).to(device)
+        return index, mask
+
+    def take(self, at: torch.Tensor, count: int, length: int) -> Any:
+        """The batches `index` named, given as its flattened rows on the bank's device."""
+        taken = [part.index_select(0, at).reshape(count, length, *part.shape[1:]) for part in self.parts]
+        return _rebuild(self.template, taken)
 
     def batch(self, client: int, rows: torch.Tensor) -> Any:
         """One client's batch of its examples `rows`, unpadded."""

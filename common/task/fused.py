@@ -12,6 +12,9 @@
                  and noised from each client's own stream, as dpsgd.py does for one client
     update       the optimizer's arithmetic on the group's rows: SGD (momentum, weight decay),
                  Adam, the FedProx proximal gradient mu·(w − w_global)
+    plan         with the group's data in one bank (bank.py), each step's clients, rows and masks are
+                 worked out on the host once a round and sent to the device in three copies: on a
+                 GPU no step waits for a copy (tests/unit/test_fused.py counts the waits)
 
 Fused and sequential training agree within float tolerance, not bit for bit: batched matrix
 products, masked means and the optimizer's updates reduce in another order (tests/unit/test_fused.py
@@ -117,6 +120,24 @@ def train_fused(
         model.train(mode)
 
 
+_Item = tuple[int, Any, bool]  # a client's batch in a step: (client, batch or index slice, starts an epoch)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A group's step on the device: its clients' rows, the clients starting an epoch, each batch's
+    example count (float64, for the metric sums), and with a bank the flattened (G × length) bank
+    rows of its batches and their float mask of real examples."""
+
+    index: torch.Tensor
+    fresh: torch.Tensor | None
+    weights: torch.Tensor
+    sizes: list[int]
+    length: int
+    rows: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
 class _CannotFuse(Exception):
     """The loss did something vmap cannot batch (random numbers, a data-dependent branch)."""
 
@@ -215,57 +236,118 @@ class _Trainer:
 
     def run(self) -> list[Fused]:
         self.call.model.train()
-        step = 0
-        while True:
-            pending: dict[tuple[int, ...] | int, list[tuple[int, Any, bool]]] = {}
-            for i, stream in enumerate(self.streams):
-                item = next(stream, None)
-                if item is not None:
-                    batch, new_epoch = item
-                    key = len(batch) if self.bank is not None else _signature(batch)
-                    pending.setdefault(key, []).append((i, batch, new_epoch))
-            if not pending:
-                break
-            step += 1
-            if self.masked is None:  # decided on the first step's largest batch, of two or more
-                i, largest, _ = max((item for group in pending.values() for item in group),
-                                    key=lambda item: batch_size_of(item[1]))
-                largest = self._batch(i, largest)
-                largest = _pad(largest, max(2, batch_size_of(largest)))  # one example: two copies
-                try:
-                    self.masked = self._averages_examples(to_device(largest, self.device))
-                except (RuntimeError, ValueError, IndexError, TypeError) as err:
-                    raise _CannotFuse(str(err)) from err
-            if self.masked:
-                shapes: dict[tuple[int, ...] | int, list[tuple[int, Any, bool]]] = {}
-                for group in pending.values():  # batches that differ in size only pad to each other
-                    key = 0 if self.bank is not None else _signature(group[0][1], per_example=True)
-                    shapes.setdefault(key, []).extend(group)
-                for group in shapes.values():
-                    self._step(group, step, padded=True)
-            else:
-                for group in pending.values():
-                    self._step(group, step)
+        if self.bank is not None:  # index slices: the whole round is planned, and sent to the device, at once
+            steps = list(self._steps())
+            if steps and self.masked is None:
+                self.masked = self._decide(steps[0])
+            work = [(step, group) for step, pending in enumerate(steps, 1) for group in self._split(pending)]
+            for (step, group), prepared in zip(work, self._prepare([g for _, g in work]), strict=True):
+                self._step(group, step, prepared)
+        else:  # batches themselves: drawn a step at a time
+            for step, pending in enumerate(self._steps(), 1):
+                if self.masked is None:
+                    self.masked = self._decide(pending)
+                groups = self._split(pending)
+                for group, prepared in zip(groups, self._prepare(groups), strict=True):
+                    self._step(group, step, prepared)
         names = list(self.totals)
         totals = torch.stack([self.totals[n] for n in names]).cpu().tolist() if names else []  # one host sync
         per_client = [{n: t[i] for n, t in zip(names, totals, strict=True)} for i in range(self.count)]
         return [self._outcome(i, sums) for i, sums in enumerate(per_client)]
 
-    def _step(self, group: list[tuple[int, Any, bool]], step: int, padded: bool = False) -> None:
-        """One optimizer step for `group`; `padded`: each batch is padded to the job's batch size
-        with copies of its first example, masked out of the loss. Always that size, whichever
-        clients share the step: a client's arithmetic is then the same in any group (on CPU)."""
-        group.sort(key=lambda item: item[0])
-        index = torch.tensor([i for i, _, _ in group], device=self.device)
+    def _steps(self) -> Iterator[list[_Item]]:
+        """Each step's batches: every client's next one, while any client has one."""
+        while True:
+            pending = [(i, *item) for i, stream in enumerate(self.streams) if (item := next(stream, None))]
+            if not pending:
+                return
+            yield pending
+
+    def _decide(self, pending: list[_Item]) -> bool:
+        """Whether the loss averages its examples, from the first step's largest batch (of two or more)."""
+        i, largest, _ = max(pending, key=lambda item: batch_size_of(item[1]))
+        largest = _pad(self._batch(i, largest), max(2, batch_size_of(self._batch(i, largest))))
+        try:
+            return self._averages_examples(to_device(largest, self.device))
+        except (RuntimeError, ValueError, IndexError, TypeError) as err:
+            raise _CannotFuse(str(err)) from err
+
+    def _split(self, pending: list[_Item]) -> list[list[_Item]]:
+        """A step's batches in the groups that step together, each in client order: with a loss that
+        averages its examples, every batch of one example shape (padded to one length); otherwise
+        batches of one exact shape."""
+        groups: dict[Any, list[_Item]] = {}
+        for item in pending:
+            if self.bank is not None:
+                key: Any = 0 if self.masked else len(item[1])
+            else:
+                key = _signature(item[1], per_example=bool(self.masked))
+            groups.setdefault(key, []).append(item)
+        return [sorted(group, key=lambda item: item[0]) for group in groups.values()]
+
+    def _prepare(self, groups: list[list[_Item]]) -> list[_Prepared]:
+        """What each group's step needs on the device, sent in one copy per dtype: with a bank, the
+        whole round's in three copies, and none in its steps (a plain copy from the host to a GPU
+        waits for all the work queued there: several a step would keep the GPU idle between them)."""
+        longs: list[torch.Tensor] = []
+        floats: list[torch.Tensor] = []
+        doubles: list[torch.Tensor] = []
+        shapes = []
+        for group in groups:
+            clients = [i for i, _, _ in group]
+            sizes = [batch_size_of(item) if self.bank is None else len(item) for _, item, _ in group]
+            fresh = [i for i, _, new_epoch in group if new_epoch]  # the result reports the last epoch only
+            length = max(self.settings.batch_size, *sizes) if self.masked else sizes[0]
+            longs += [torch.tensor(clients, dtype=torch.int64), torch.tensor(fresh, dtype=torch.int64)]
+            doubles.append(torch.tensor(sizes, dtype=torch.float64))
+            if self.bank is not None:
+                rows_at, real = self.bank.index(clients, [item for _, item, _ in group], length)
+                longs.append(rows_at.reshape(-1))
+                floats.append(real.reshape(-1).to(torch.float32))
+            shapes.append((len(group), len(fresh), length, sizes))
+        longs_at, doubles_at = self._send(torch.cat(longs)), self._send(torch.cat(doubles))
+        floats_at = self._send(torch.cat(floats)) if floats else None
+        at = {"long": 0, "float": 0, "double": 0}
+
+        def take(kind: str, source: torch.Tensor, count: int) -> torch.Tensor:
+            start = at[kind]
+            at[kind] += count
+            return source[start : start + count]
+
+        out = []
+        for count, starting, length, sizes in shapes:
+            index = take("long", longs_at, count)
+            at_fresh = take("long", longs_at, starting) if starting else None
+            weights = take("double", doubles_at, count)
+            rows: torch.Tensor | None = None
+            mask: torch.Tensor | None = None
+            if floats_at is not None:
+                rows = take("long", longs_at, count * length)
+                mask = take("float", floats_at, count * length).reshape(count, length)
+            out.append(_Prepared(index, at_fresh, weights, sizes, length, rows, mask))
+        return out
+
+    def _send(self, host: torch.Tensor) -> torch.Tensor:
+        """`host` on the device; to a GPU from pinned memory, without waiting for its queued work."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _step(self, group: list[_Item], step: int, prepared: _Prepared) -> None:
+        """One optimizer step for `group`. Padded (a loss that averages its examples): each batch is
+        padded to the job's batch size with copies of its first example, masked out of the loss.
+        Always that size, whichever clients share the step: a client's arithmetic is then the same
+        in any group (on CPU)."""
+        index = prepared.index
         whole = len(group) == self.count
         params = {n: (r if whole else r.index_select(0, index)) for n, r in self.rows.items()}
-        sizes = [batch_size_of(batch) for _, batch, _ in group]
         leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+        batches, mask = self._batches(group, prepared)
         try:
             if self.dp is not None:
-                grads, aux = self._private(params, group, sizes)
+                grads, aux = self._private(params, group, batches, mask)
             else:
-                grads, aux = self._gradients(leaves, group, sizes, padded)
+                grads, aux = self._gradients(leaves, batches, mask)
         except (RuntimeError, ValueError, IndexError, TypeError) as err:  # random numbers, no vmap rule
             raise _CannotFuse(str(err)) from err
         new = self._update(params, grads, index, whole, step)
@@ -274,32 +356,26 @@ class _Trainer:
                 self.rows[n] = new[n]
             else:
                 self.rows[n].index_copy_(0, index, new[n])
-        fresh = [i for i, _, new_epoch in group if new_epoch]  # the result reports the last epoch only
-        if fresh:
-            at = torch.tensor(fresh, device=self.device)
+        if prepared.fresh is not None:
             for total in self.totals.values():
-                total.index_fill_(0, at, 0.0)
-        weights = torch.tensor(sizes, dtype=torch.float64, device=self.device)
+                total.index_fill_(0, prepared.fresh, 0.0)
         for name, values in aux.items():  # as the sequential loop sums: value × size, in float64
             if name not in self.totals:
                 self.totals[name] = torch.zeros(self.count, dtype=torch.float64, device=self.device)
             total = self.totals[name]
-            total.index_add_(0, index, values.detach().to(torch.float64).reshape(-1) * weights)
-        for (i, _, new_epoch), size in zip(group, sizes, strict=True):
+            total.index_add_(0, index, values.detach().to(torch.float64).reshape(-1) * prepared.weights)
+        for (i, _, new_epoch), size in zip(group, prepared.sizes, strict=True):
             self.seen[i] = size if new_epoch else self.seen[i] + size
             self.steps[i] += 1
 
     def _gradients(
-        self, leaves: dict[str, torch.Tensor], group: list[tuple[int, Any, bool]], sizes: list[int],
-        padded: bool,
+        self, leaves: dict[str, torch.Tensor], batches: Any, mask: torch.Tensor | None
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Each client's gradient of its batch's loss, by autograd through the vmapped forward."""
         with torch.enable_grad():
-            if padded:
-                batches, mask = self._padded(group, sizes)
+            if mask is not None:
                 losses, aux = self.masked_losses(leaves, batches, mask)
             else:
-                batches = self._stacked(group, sizes[0])
                 losses, aux = self.losses(leaves, batches)
             found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
         grads = {n: torch.zeros_like(leaves[n]) if g is None else g  # unused by the loss: no gradient
@@ -307,35 +383,33 @@ class _Trainer:
         return grads, aux
 
     def _private(
-        self, params: dict[str, torch.Tensor], group: list[tuple[int, Any, bool]], sizes: list[int]
+        self, params: dict[str, torch.Tensor], group: list[_Item], batches: Any, mask: torch.Tensor | None
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Each client's DP-SGD gradient, its noise drawn from its own stream as the sequential loop does."""
-        assert self.dp is not None
+        assert self.dp is not None and mask is not None
         dtype = next(iter(params.values())).dtype
         noise = torch.stack([
             draw_noise(self.noise[i], self.numel, self.dp, self.device, dtype) for i, _, _ in group
         ])
-        batches, mask = self._padded(group, sizes)
         return self.private_rows({n: p.detach() for n, p in params.items()}, batches, mask.to(dtype), noise)
 
     def _batch(self, client: int, item: Any) -> Any:
         """A client's batch: `item` itself, or with a bank the examples its index slice names."""
         return item if self.bank is None else self.bank.batch(client, item)
 
-    def _stacked(self, group: list[tuple[int, Any, bool]], size: int) -> Any:
-        """The group's batches, all of `size` examples, stacked on the client axis."""
+    def _batches(self, group: list[_Item], prepared: _Prepared) -> tuple[Any, torch.Tensor | None]:
+        """The group's batches stacked on the client axis, and with a padded step their (G, length)
+        mask: from the bank by the prepared rows, else each batch padded (copies of its first
+        example) and stacked."""
         if self.bank is not None:
-            return self.bank.rows([i for i, _, _ in group], [item for _, item, _ in group], size)[0]
-        return _stack([batch for _, batch, _ in group], self.device)
-
-    def _padded(self, group: list[tuple[int, Any, bool]], sizes: list[int]) -> tuple[Any, torch.Tensor]:
-        """The group's batches padded to the job's batch size (or their largest), and their masks."""
-        longest = max(self.settings.batch_size, *sizes)
-        if self.bank is not None:
-            return self.bank.rows([i for i, _, _ in group], [item for _, item, _ in group], longest)
-        batches = _stack([_pad(batch, longest) for _, batch, _ in group], self.device)
-        mask = torch.stack([(torch.arange(longest) < size).to(torch.float32) for size in sizes])
-        return batches, mask.to(self.device)
+            assert prepared.rows is not None
+            batches = self.bank.take(prepared.rows, len(group), prepared.length)
+            return batches, prepared.mask if self.masked else None
+        if not self.masked:
+            return _stack([batch for _, batch, _ in group], self.device), None
+        batches = _stack([_pad(batch, prepared.length) for _, batch, _ in group], self.device)
+        real = [(torch.arange(prepared.length) < size).to(torch.float32) for size in prepared.sizes]
+        return batches, torch.stack(real).to(self.device)
 
     def _update(
         self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], index: torch.Tensor,

@@ -6,6 +6,7 @@ generator: fused training must draw the same batches and land within float toler
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -179,3 +180,46 @@ def test_a_clients_fused_result_is_bit_identical_in_any_group(name: str, summed:
         for i, (weights, metrics) in together.items():
             assert metrics == other[i][1], (i, groups)
             assert all(torch.equal(weights[n], other[i][0][n]) for n in weights), (i, groups)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_fused_steps_never_wait_for_the_device() -> None:
+    """A round's plan goes to the GPU at once: the host waits for the device as often in a round of
+    many steps as in one of few (the first batch's probe, the final read of the metrics)."""
+    import warnings
+
+    task, data = Mlp(), clients()
+    model = model_for(task).cuda()
+
+    def syncs(epochs: int) -> int:
+        settings = TrainSettings(epochs=epochs, batch_size=8, lr=0.1, momentum=0.9)
+        ctxs = [dataclasses.replace(ctx, device=torch.device("cuda"))
+                for ctx in contexts(model, len(data), settings)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert train_fused(task, model, data, ctxs) is not None
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    assert syncs(1) == syncs(4)
+
+
+@pytest.mark.parametrize("summed", [False, True], ids=["mean-loss-padded", "sum-loss-grouped-by-size"])
+def test_a_dataset_trains_fused_to_the_bits_of_the_same_tensors(summed: bool) -> None:
+    """A map-style Dataset goes the general way (its batches cut, padded and stacked each step);
+    tensors go through one bank and a plan made once a round: the same batches, the same bits."""
+    task, data = Mlp(summed=summed), clients()
+    model = model_for(task)
+    settings = TrainSettings(epochs=2, batch_size=8, lr=0.1, momentum=0.9)
+    banked = train_fused(task, model, data, contexts(model, len(data), settings))
+    datasets = [torch.utils.data.TensorDataset(*d) for d in data]
+    general = train_fused(task, model, datasets, contexts(model, len(data), settings))
+    assert banked is not None and general is not None
+    for one, other in zip(banked, general, strict=True):
+        assert one.result == other.result
+        for name, tensor in one.weights.items():
+            assert torch.equal(tensor, other.weights[name]), name
