@@ -97,6 +97,15 @@ class Bus(ABC):
     def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
         """Publish with a reply address and wait for the reply; raises TimeoutError."""
 
+    def request_large(
+        self, queue: str, body: bytes, *, timeout: float, spool: Callable[[], Path]
+    ) -> bytes | Path:
+        """As `request`, for a reply that may be large: one that comes in chunks (over a frame) is
+        written to a new file in the folder `spool()` gives (asked only then) as they arrive, and
+        its path returned; the caller deletes it. Memory then holds one chunk, not the reply twice
+        (the chunks, and them joined). In memory nothing comes in chunks: always bytes."""
+        return self.request(queue, body, timeout=timeout)
+
     @abstractmethod
     def reply(self, delivery: Delivery, body: Body) -> None:
         """Answer a request delivered to this bus."""

@@ -216,8 +216,9 @@ class BlobReader:
         # pass as long as the receive itself on a 200 MB model.
         return b"".join(chunks)
 
-    def read_to_file(self, headers: dict[str, Any], spool: Path, tags: list[int]) -> Path:
-        """A blob's chunks, in order, written to a new file in `spool`: memory holds one chunk."""
+    def read_to_file(self, headers: dict[str, Any], spool: Path, tags: list[int], sync: bool = True) -> Path:
+        """A blob's chunks, in order, written to a new file in `spool`: memory holds one chunk.
+        `sync`: on disk before this returns (a message acked once handled), else a cache's file."""
         self._size(headers)
         spool.mkdir(parents=True, exist_ok=True)
         path = spool / f"{uuid.uuid4().hex}.msg"
@@ -225,7 +226,8 @@ class BlobReader:
             with open(path, "wb") as f:
                 self._collect(headers, f.write, tags)
                 f.flush()
-                os.fsync(f.fileno())  # acked once handled: it must be on disk by then
+                if sync:
+                    os.fsync(f.fileno())
         except BaseException:
             path.unlink(missing_ok=True)
             raise

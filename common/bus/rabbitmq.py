@@ -57,7 +57,8 @@ class RabbitBus(Bus):
             dead_body_bytes=settings.dead_letter_body_bytes,
             on_bytes=self._count_received, on_dead_letter=self._dead_lettered,
         )
-        self._waiters: dict[str, Future[bytes]] = {}
+        self._waiters: dict[str, Future[bytes | Path]] = {}
+        self._spools: dict[str, Callable[[], Path]] = {}  # by correlation id: where a large reply goes
         self._orphans: list[str] = []  # blob queues of failed sends, deleted at the next connect
         self._sites_bound: set[str] = set()  # site queues declared and bound on this connection
         self._reply_queue = ""
@@ -205,12 +206,26 @@ class RabbitBus(Bus):
             log.warning("reply_not_sent", queue=delivery.queue, error=str(exc))
 
     def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
+        reply = self._request(queue, body, timeout, None)
+        assert isinstance(reply, bytes)
+        return reply
+
+    def request_large(
+        self, queue: str, body: bytes, *, timeout: float, spool: Callable[[], Path]
+    ) -> bytes | Path:
+        return self._request(queue, body, timeout, spool)
+
+    def _request(
+        self, queue: str, body: bytes, timeout: float, spool: Callable[[], Path] | None
+    ) -> bytes | Path:
         if not self._link.running:
             raise RuntimeError("request() needs the bus running in another thread")
         correlation_id = uuid.uuid4().hex
         exchange = topology.exchange_for(queue)
-        future: Future[bytes] = Future()
+        future: Future[bytes | Path] = Future()
         self._waiters[correlation_id] = future
+        if spool is not None:
+            self._spools[correlation_id] = spool
         try:
             self._link.run_on_loop(lambda: self._send(exchange, queue, body, self._props(
                 delivery_mode=2, reply_to=self._reply_queue, correlation_id=correlation_id,
@@ -220,6 +235,7 @@ class RabbitBus(Bus):
             raise TimeoutError(f"no reply from {queue} within {timeout:.1f}s") from None
         finally:
             self._waiters.pop(correlation_id, None)
+            self._spools.pop(correlation_id, None)
 
     def _send(self, exchange: str, key: str, body: Body, props: Any, mandatory: bool) -> None:
         """Publish on the loop thread, as a blob when the body is over the frame size."""
@@ -237,18 +253,23 @@ class RabbitBus(Bus):
 
     def _on_reply(self, ch: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
         headers = dict(props.headers or {})
+        reply: bytes | Path = body
         if H_BLOB in headers:
+            spool = self._spools.get(props.correlation_id or "")
             try:
-                body = self._blobs.read(headers, [])
-            except DecodeBlobError as exc:
+                reply = (self._blobs.read(headers, []) if spool is None
+                         else self._blobs.read_to_file(headers, spool(), [], sync=False))
+            except (DecodeBlobError, OSError) as exc:  # OSError: its file could not be written
                 log.warning("reply_dropped", reason=str(exc))
-                body = b""
+                reply = b""
             finally:
                 self._blobs.delete(headers[H_BLOB])
         ch.basic_ack(method.delivery_tag)
         future = self._waiters.pop(props.correlation_id or "", None)
         if future is not None and not future.done():
-            future.set_result(body)
+            future.set_result(reply)
+        elif isinstance(reply, Path):
+            reply.unlink(missing_ok=True)  # its request gave up waiting: nobody will delete it
 
     # -- traffic --------------------------------------------------------------
 

@@ -125,6 +125,8 @@ class EmbeddedCluster:
             service.bus.stop()
         for thread in self._threads:
             thread.join(wait)
+        for learner in self.learners:
+            learner.close()
 
     def services(self) -> list[tuple[str, SchedulerService | AggregatorService | LearnerService]]:
         return [

@@ -24,7 +24,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,6 +34,7 @@ import torch
 from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body, Bus, Delivery
+from fedmq.common.codec import TensorFile
 from fedmq.common.errors import BrokerUnavailable, DecodeError, FedmqError, ValidationError
 from fedmq.common.groups import group_of, groupable
 from fedmq.common.messages import (
@@ -52,6 +53,7 @@ from fedmq.common.messages import (
     UserError,
     expect,
     from_wire,
+    from_wire_file,
     to_wire,
     to_wire_parts,
 )
@@ -61,6 +63,7 @@ from fedmq.common.settings import Settings
 from fedmq.common.usercode import UserCodeError
 from fedmq.services.learner.ddp import DdpRunner
 from fedmq.services.learner.device import resolve_device
+from fedmq.services.learner.models import ModelFolder
 from fedmq.services.learner.work import Work
 
 log = structlog.get_logger("fedmq.learner")
@@ -87,7 +90,8 @@ class LearnerService:
         self.node = settings.node or socket.gethostname()
         # Without a replica index (compose has none) the pid keeps names on one host apart.
         self.name = f"{self.node}/{given}" if given is not None else f"{self.node}/pid{os.getpid()}"
-        self.work = Work(settings, self.name, self._fetch, self.metrics, self._fetch_state, allowed)
+        self.models = ModelFolder(Path(settings.state_dir) / "learner")  # large models, as files
+        self.work = Work(settings, self.name, self._fetch_large, self.metrics, self._fetch_state, allowed)
         # Picked and checked here, before the process connects anywhere: a bad FEDMQ_DEVICE is a
         # start-up error, not a learner that joins the fleet and then cannot train.
         self.work.device = resolve_device(settings.device, self.replica)
@@ -151,6 +155,10 @@ class LearnerService:
         self._tasks.put(None)  # the training thread ends once its current task has
         self.bus.call_soon_from_signal(self._leave)  # on the bus thread, before it stops
         threading.Thread(target=self.ddp.shutdown, daemon=True).start()  # not in a signal handler
+
+    def close(self) -> None:
+        """After the bus stopped: the fetched models' files go."""
+        self.models.close()
 
     def join(self, timeout: float | None = None) -> bool:
         """After shutdown(): wait for the training thread to end; False if it still trains."""
@@ -381,10 +389,38 @@ class LearnerService:
             body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
         except Exception as exc:  # lost connection, no reply in time, not connected: the transport's
             raise BrokerUnavailable(f"model fetch failed: {type(exc).__name__}: {exc}") from exc
-        reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ModelReply)
+        return self._decoded(body, digest), len(body)
+
+    def _fetch_large(self, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
+        """As `_fetch`; a model that came in chunks stays in a file of `self.models` (a TensorFile:
+        read a tensor at a time), which the work cache deletes when it drops the model."""
+        request = to_wire(ModelGet(job_id=job_id, digest=digest))
+        try:
+            body = self.bus.request_large(topology.MODEL, request, timeout=self.settings.request_timeout_s,
+                                          spool=lambda: self.models.path)
+        except Exception as exc:  # lost connection, no reply in time, not connected: the transport's
+            raise BrokerUnavailable(f"model fetch failed: {type(exc).__name__}: {exc}") from exc
+        if isinstance(body, bytes):
+            return self._decoded(body, digest), len(body)
+        try:
+            size = body.stat().st_size
+            weights = self._model(from_wire_file(body, max_bytes=self.settings.max_message_bytes), digest)
+        except BaseException:
+            body.unlink(missing_ok=True)
+            raise
+        if not isinstance(weights, TensorFile):
+            body.unlink(missing_ok=True)  # small enough to have been decoded whole
+        return weights, size
+
+    def _decoded(self, body: bytes, digest: str) -> dict[str, torch.Tensor]:
+        return dict(self._model(from_wire(body, max_bytes=self.settings.max_message_bytes), digest))
+
+    @staticmethod
+    def _model(msg: Message, digest: str) -> Mapping[str, torch.Tensor]:
+        reply = expect(msg, ModelReply)
         if reply.error or reply.weights is None:
             raise FedmqError(f"model {digest[:12]} unavailable: {reply.error}")
-        return dict(reply.weights), len(body)
+        return reply.weights
 
     def _fetch_state(self, job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
         """The strategy's stored state of a client, from the aggregator (request/reply over the bus)."""

@@ -15,14 +15,16 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
 from torch import nn
 
 from fedmq.common.allowlist import AllowList, CodeNotAllowed
+from fedmq.common.codec import TensorFile
 from fedmq.common.codec.compress import CompressionSpec, Residual
 from fedmq.common.codec.updates import check_no_prefix, compress_update, split_residual, with_prefix
 from fedmq.common.coderefs import check_code
@@ -43,7 +45,8 @@ log = structlog.get_logger("fedmq.learner")
 MODEL_CACHE = 2  # the current round's weights, and the previous one for stragglers
 JOB_CACHE = 4  # jobs whose Task and model a learner keeps between tasks
 
-Fetch = Callable[[str, str], tuple[dict[str, torch.Tensor], int]]  # (job id, digest) -> (weights, bytes)
+# (job id, digest) -> (weights, bytes): a dict, or a large model's file read a tensor at a time
+Fetch = Callable[[str, str], tuple[Mapping[str, torch.Tensor], int]]
 FetchState = Callable[[str, int, int], dict[str, torch.Tensor]]  # (job id, round, client) -> its state
 RANDOM_KEY = (
     "train.dp_sgd's noise comes from a random key of this process: set FEDMQ_DP_KEY, the same on every "
@@ -91,14 +94,16 @@ class ClientDataCache:
         return len(self._data)
 
 
-def load_global(model: nn.Module, weights: dict[str, torch.Tensor], server_round: int, client: int) -> None:
+def load_global(
+    model: nn.Module, weights: Mapping[str, torch.Tensor], server_round: int, client: int
+) -> None:
     """The global weights into this learner's model; a model that differs is the Task's build_model's fault.
 
     The aggregator built the global model with the same Task: tensors that do not match mean
     `build_model` gave another architecture here (it read local files, the device, a global).
     """
     mine = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-    theirs = {k: (tuple(v.shape), v.dtype) for k, v in weights.items()}
+    theirs = {k: _meta(weights, k) for k in weights}
     if mine != theirs:
         diffs = [
             f"{name}: {_shape(mine.get(name))} here, {_shape(theirs.get(name))} in the global model"
@@ -112,11 +117,29 @@ def load_global(model: nn.Module, weights: dict[str, torch.Tensor], server_round
             "same architecture in every process",
             round=server_round, client=client,
         )
-    model.load_state_dict(weights)
+    if isinstance(weights, TensorFile):  # a large model's file: a tensor at a time, never all of it
+        for name in weights:  # (the names, shapes and dtypes were checked above: strict in effect)
+            model.load_state_dict({name: weights[name]}, strict=False)
+    else:
+        model.load_state_dict(weights)
+
+
+def _meta(weights: Mapping[str, torch.Tensor], name: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """A tensor's shape and dtype; from a file's index, without reading it, when the model is a file."""
+    if isinstance(weights, TensorFile):
+        dtype, shape = weights.meta(name)
+        return tuple(shape), dtype
+    return tuple(weights[name].shape), weights[name].dtype
+
+
+def _drop(weights: Mapping[str, torch.Tensor]) -> None:
+    """Forget a cached model: a file's is deleted (nothing reads it any more)."""
+    if isinstance(weights, TensorFile):
+        Path(weights.path).unlink(missing_ok=True)
 
 
 def compressed(
-    update: ClientUpdate, global_weights: dict[str, torch.Tensor], spec: CompressionSpec,
+    update: ClientUpdate, global_weights: Mapping[str, torch.Tensor], spec: CompressionSpec,
     residual: Residual | None,
 ) -> ClientUpdate:
     """The update as the job sends it: unchanged without compression, else its encoded delta.
@@ -177,7 +200,7 @@ class Work:
                        else secrets.token_bytes(32))
         self.data = ClientDataCache(max(settings.data_cache_clients, settings.fuse_clients))
         self._jobs: OrderedDict[str, JobContext] = OrderedDict()
-        self._models: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+        self._models: OrderedDict[str, Mapping[str, torch.Tensor]] = OrderedDict()
         self.fetches = 0  # global models fetched over the bus (the rest came from the cache)
         self.fused_groups: list[int] = []  # the size of each group trained fused, oldest first
 
@@ -278,7 +301,7 @@ class Work:
         return TrainSettings.from_spec(job.spec.train)
 
     def _context(
-        self, job: JobContext, task: TrainTask, weights: dict[str, torch.Tensor],
+        self, job: JobContext, task: TrainTask, weights: Mapping[str, torch.Tensor],
         client_state: dict[str, torch.Tensor],
     ) -> TrainContext:
         private = None
@@ -294,7 +317,7 @@ class Work:
         )
 
     def _update(
-        self, job: JobContext, task: TrainTask, weights: dict[str, torch.Tensor],
+        self, job: JobContext, task: TrainTask, weights: Mapping[str, torch.Tensor],
         state: dict[str, torch.Tensor], result: TrainResult, seconds: float, fetch_seconds: float,
         fetch_bytes: int, residual: Residual | None = None,
     ) -> ClientUpdate:
@@ -358,7 +381,7 @@ class Work:
         data_dir = self.settings.data_dir
         return self.data.get(job_id, client, lambda: job.runtime.load_data(client, data_dir))
 
-    def _weights(self, job_id: str, digest: str) -> tuple[dict[str, torch.Tensor], int]:
+    def _weights(self, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
         """The round's global model, and the bytes it took: from the cache by digest (0), else fetched."""
         weights = self._models.get(digest)
         if weights is not None:
@@ -369,5 +392,5 @@ class Work:
         self.metrics.model_fetches.inc()
         self._models[digest] = weights
         while len(self._models) > MODEL_CACHE:
-            self._models.popitem(last=False)
+            _drop(self._models.popitem(last=False)[1])
         return weights, size

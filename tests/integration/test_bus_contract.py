@@ -7,6 +7,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -132,6 +133,36 @@ def test_request_and_reply_carry_a_message_larger_than_the_frame(transport: Tran
         server.consume("fedmq.model", answer)
         reply = client.request("fedmq.model", big, timeout=WAIT)
     assert reply == big[::-1] + big
+
+
+def test_a_large_reply_comes_as_a_file_of_its_bytes_and_a_small_one_in_memory(
+    transport: Transport, tmp_path: Path
+) -> None:
+    """request_large: a reply in chunks is written to a new file in the spool, not held twice in
+    memory (in memory nothing comes in chunks: bytes there); a reply within a frame is bytes."""
+    big = os.urandom(transport.settings.frame_bytes * 3 + 17)
+    spool = tmp_path / "spool"
+    asked: list[int] = []
+
+    def answer(delivery: Delivery) -> None:
+        server.reply(delivery, big if delivery.body == b"big" else b"small")
+        delivery.ack()
+
+    def folder() -> Path:
+        asked.append(1)
+        return spool
+
+    with running(transport, "server") as server, running(transport, "client") as client:
+        server.consume("fedmq.model", answer)
+        small = client.request_large("fedmq.model", b"small?", timeout=WAIT, spool=folder)
+        large = client.request_large("fedmq.model", b"big", timeout=WAIT, spool=folder)
+    assert small == b"small"
+    if transport.name == "memory":
+        assert large == big and not asked
+        return
+    assert isinstance(large, Path) and large.parent == spool
+    assert large.read_bytes() == big
+    assert list(spool.iterdir()) == [large], "one file, the caller's to delete"
 
 
 def test_a_requeued_large_message_comes_back_whole(transport: Transport) -> None:

@@ -9,6 +9,7 @@ same orders are made on purpose with bus subclasses, so they happen every run.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,13 +99,15 @@ def test_a_model_fetch_lost_with_the_connection_is_retried_and_not_charged_to_th
     undisturbed = embedded_runs.weights(spec)
     failed_fetches: list[str] = []
 
-    class Learner(RabbitBus):
-        def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
+    class Learner(RabbitBus):  # the learner fetches models with request_large (large ones to a file)
+        def request_large(
+            self, queue: str, body: bytes, *, timeout: float, spool: Callable[[], Path]
+        ) -> bytes | Path:
             msg = from_wire(body)
             if isinstance(msg, ModelGet) and not failed_fetches:
                 failed_fetches.append(msg.digest)
                 raise ConnectionError("connection to the broker was lost")
-            return super().request(queue, body, timeout=timeout)
+            return super().request_large(queue, body, timeout=timeout, spool=spool)
 
     with fresh_vhost() as url:
         settings = Settings(broker_url=url, state_dir=tmp_path, log_format="json", retry_initial_s=0.1)
