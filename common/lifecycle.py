@@ -49,7 +49,6 @@ def run_service(
     """
     if uses_torch:
         limit_torch_threads(settings.torch_threads)
-        large_buffers_from_mmap()
     bus = RabbitBus(settings, name=name)
     metrics = Metrics()
     bus.on_traffic = metrics.traffic
@@ -70,31 +69,6 @@ def limit_torch_threads(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads or 1)
-
-
-MMAP_THRESHOLD = 1024 * 1024  # buffers this large or larger: their own mapping, unmapped when freed
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def large_buffers_from_mmap() -> None:
-    """Large buffers (tensors, message bodies) each in their own mapping, given back when freed.
-
-    glibc's malloc raises its mmap threshold to the size of each large block freed (up to 32 MiB
-    on 64 bits), so after a model's first tensors are freed the next ones come from the heap, whose
-    freed pages the process keeps: a 202 MB model's round left a learner at +2.66-2.94x the model
-    over its warm idle, +2.17-2.2x with the threshold fixed here (benchmarks/large_model.py); a
-    training step of that model on the CPU took the same time within 2 %. No-op without glibc.
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return  # musl, macOS: another allocator
-    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def serve(service: Service, bus: RabbitBus, name: str, on_stop: Callable[[], None] | None = None) -> None:

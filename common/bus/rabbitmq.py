@@ -232,6 +232,9 @@ class RabbitBus(Bus):
             ), mandatory=True))
             return future.result(timeout=timeout)
         except TimeoutError:
+            late = future.result() if future.done() and future.exception() is None else None
+            if isinstance(late, Path):  # it came as this wait ended: nobody else will delete it
+                late.unlink(missing_ok=True)
             raise TimeoutError(f"no reply from {queue} within {timeout:.1f}s") from None
         finally:
             self._waiters.pop(correlation_id, None)
@@ -254,20 +257,27 @@ class RabbitBus(Bus):
     def _on_reply(self, ch: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
         headers = dict(props.headers or {})
         reply: bytes | Path = body
+        failed: OSError | None = None
         if H_BLOB in headers:
             spool = self._spools.get(props.correlation_id or "")
             try:
                 reply = (self._blobs.read(headers, []) if spool is None
                          else self._blobs.read_to_file(headers, spool(), [], sync=False))
-            except (DecodeBlobError, OSError) as exc:  # OSError: its file could not be written
+            except DecodeBlobError as exc:
                 log.warning("reply_dropped", reason=str(exc))
                 reply = b""
+            except OSError as exc:  # its file could not be written (a full disk): this side's trouble
+                log.warning("reply_dropped", reason=f"{type(exc).__name__}: {exc}")
+                failed = exc
             finally:
                 self._blobs.delete(headers[H_BLOB])
         ch.basic_ack(method.delivery_tag)
         future = self._waiters.pop(props.correlation_id or "", None)
         if future is not None and not future.done():
-            future.set_result(reply)
+            if failed is not None:
+                future.set_exception(failed)
+            else:
+                future.set_result(reply)
         elif isinstance(reply, Path):
             reply.unlink(missing_ok=True)  # its request gave up waiting: nobody will delete it
 

@@ -38,8 +38,9 @@ applies FedProx's proximal term when it holds ``proximal_mu``; a Task with its o
 applies it from `ctx.config` and `ctx.global_weights`:
 
     mu = ctx.config.get("proximal_mu", 0.0)
-    loss = loss + mu / 2 * sum((p - ctx.global_weights[n]).pow(2).sum()
-                               for n, p in model.named_parameters())
+    anchors = {n: ctx.global_weights[n].to(ctx.device) for n, _ in model.named_parameters()}  # once
+    ...  # then, each step:
+    loss = loss + mu / 2 * sum((p - anchors[n]).pow(2).sum() for n, p in model.named_parameters())
 
 Per-client state (control variates, error-feedback residuals) lives with the aggregator, on
 disk: return it in `Aggregate.client_state`; set ``sends_client_state = True`` and the next

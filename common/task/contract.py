@@ -117,7 +117,10 @@ class TrainContext:
     train: TrainSettings
     device: torch.device
     generator: torch.Generator  # CPU, seeded for (seed, round, client): shuffle and sample with it
-    global_weights: Mapping[str, torch.Tensor]  # the round's global model (read-only), e.g. for FedProx
+    # The round's global model (read-only), e.g. for FedProx; valid during this call only. A large
+    # one (over 64 MB, on RabbitMQ) is read from the learner's disk on each lookup: look each
+    # tensor up once (the loop copies its anchors once a client), not every step.
+    global_weights: Mapping[str, torch.Tensor]
     # What the strategy sends this round (Strategy.configure). FedProx's "proximal_mu": fedmq's loop
     # adds mu/2·||w − w_global||²; a Task's own train adds it itself from ctx.global_weights.
     # SCAFFOLD's "scaffold": fedmq's loop corrects each gradient by the controls in client_state and

@@ -12,9 +12,10 @@
                  and noised from each client's own stream, as dpsgd.py does for one client
     update       the optimizer's arithmetic on the group's rows: SGD (momentum, weight decay),
                  Adam, the FedProx proximal gradient mu·(w − w_global)
-    plan         with the group's data in one bank (bank.py), each step's clients, rows and masks are
-                 worked out on the host once a round and sent to the device in three copies: on a
-                 GPU no step waits for a copy (tests/unit/test_fused.py counts the waits)
+    plan         with the group's data in one bank (bank.py), the steps' clients, rows and masks are
+                 worked out on the host for many steps at once (up to PLAN_ROWS bank rows: a round,
+                 unless its data is large) and sent to the device in three copies: on a GPU no
+                 step waits for a copy (tests/unit/test_fused.py counts the waits)
 
 Fused and sequential training agree within float tolerance, not bit for bit: batched matrix
 products, masked means and the optimizer's updates reduce in another order (tests/unit/test_fused.py
@@ -120,6 +121,7 @@ def train_fused(
         model.train(mode)
 
 
+PLAN_ROWS = 1 << 18  # bank rows planned at once: 2 MiB of int64 indices, ~8k batches' slices on the host
 _Item = tuple[int, Any, bool]  # a client's batch in a step: (client, batch or index slice, starts an epoch)
 
 
@@ -236,20 +238,10 @@ class _Trainer:
 
     def run(self) -> list[Fused]:
         self.call.model.train()
-        if self.bank is not None:  # index slices: the whole round is planned, and sent to the device, at once
-            steps = list(self._steps())
-            if steps and self.masked is None:
-                self.masked = self._decide(steps[0])
-            work = [(step, group) for step, pending in enumerate(steps, 1) for group in self._split(pending)]
+        for window in self._windows():
+            work = [(step, group) for step, pending in window for group in self._split(pending)]
             for (step, group), prepared in zip(work, self._prepare([g for _, g in work]), strict=True):
                 self._step(group, step, prepared)
-        else:  # batches themselves: drawn a step at a time
-            for step, pending in enumerate(self._steps(), 1):
-                if self.masked is None:
-                    self.masked = self._decide(pending)
-                groups = self._split(pending)
-                for group, prepared in zip(groups, self._prepare(groups), strict=True):
-                    self._step(group, step, prepared)
         names = list(self.totals)
         totals = torch.stack([self.totals[n] for n in names]).cpu().tolist() if names else []  # one host sync
         per_client = [{n: t[i] for n, t in zip(names, totals, strict=True)} for i in range(self.count)]
@@ -263,10 +255,28 @@ class _Trainer:
                 return
             yield pending
 
+    def _windows(self) -> Iterator[list[tuple[int, list[_Item]]]]:
+        """The round's steps, numbered, in windows planned and sent to the device together: with a
+        bank, steps of up to PLAN_ROWS bank rows in all (index slices: small); otherwise one step
+        (its batches are the data itself)."""
+        window: list[tuple[int, list[_Item]]] = []
+        rows = 0
+        for step, pending in enumerate(self._steps(), 1):
+            if self.masked is None:
+                self.masked = self._decide(pending)
+            window.append((step, pending))
+            rows += self.settings.batch_size * len(pending)  # no batch is longer
+            if self.bank is None or rows >= PLAN_ROWS:
+                yield window
+                window, rows = [], 0
+        if window:
+            yield window
+
     def _decide(self, pending: list[_Item]) -> bool:
         """Whether the loss averages its examples, from the first step's largest batch (of two or more)."""
         i, largest, _ = max(pending, key=lambda item: batch_size_of(item[1]))
-        largest = _pad(self._batch(i, largest), max(2, batch_size_of(self._batch(i, largest))))
+        largest = self._batch(i, largest)
+        largest = _pad(largest, max(2, batch_size_of(largest)))
         try:
             return self._averages_examples(to_device(largest, self.device))
         except (RuntimeError, ValueError, IndexError, TypeError) as err:
@@ -289,6 +299,8 @@ class _Trainer:
         """What each group's step needs on the device, sent in one copy per dtype: with a bank, the
         whole round's in three copies, and none in its steps (a plain copy from the host to a GPU
         waits for all the work queued there: several a step would keep the GPU idle between them)."""
+        if not groups:
+            return []
         longs: list[torch.Tensor] = []
         floats: list[torch.Tensor] = []
         doubles: list[torch.Tensor] = []
@@ -303,7 +315,8 @@ class _Trainer:
             if self.bank is not None:
                 rows_at, real = self.bank.index(clients, [item for _, item, _ in group], length)
                 longs.append(rows_at.reshape(-1))
-                floats.append(real.reshape(-1).to(torch.float32))
+                if self.masked:
+                    floats.append(real.reshape(-1).to(torch.float32))
             shapes.append((len(group), len(fresh), length, sizes))
         longs_at, doubles_at = self._send(torch.cat(longs)), self._send(torch.cat(doubles))
         floats_at = self._send(torch.cat(floats)) if floats else None
@@ -321,8 +334,9 @@ class _Trainer:
             weights = take("double", doubles_at, count)
             rows: torch.Tensor | None = None
             mask: torch.Tensor | None = None
-            if floats_at is not None:
+            if self.bank is not None:
                 rows = take("long", longs_at, count * length)
+            if floats_at is not None:
                 mask = take("float", floats_at, count * length).reshape(count, length)
             out.append(_Prepared(index, at_fresh, weights, sizes, length, rows, mask))
         return out
@@ -409,7 +423,7 @@ class _Trainer:
             return _stack([batch for _, batch, _ in group], self.device), None
         batches = _stack([_pad(batch, prepared.length) for _, batch, _ in group], self.device)
         real = [(torch.arange(prepared.length) < size).to(torch.float32) for size in prepared.sizes]
-        return batches, torch.stack(real).to(self.device)
+        return batches, self._send(torch.stack(real))
 
     def _update(
         self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], index: torch.Tensor,

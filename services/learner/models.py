@@ -1,7 +1,8 @@
 """Where a learner keeps the global models it fetched as files, read one tensor at a time.
 
-    <state_dir>/learner/models-<random>/   one folder per learner process, made on its first large fetch
-        lock                               flock'ed by that process while it runs
+    <state_dir>/learner/models-<random>/   one folder per learner process, made on its first fetch
+        lock                               flock'ed by that process while it runs (made and locked
+                                           as making-<random>, then renamed)
         <uuid>.msg                         a ModelReply as it came off the bus, chunk by chunk; its
                                            tensors are read from it on access (codec.TensorFile)
 
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-ORPHAN_AGE_S = 60.0  # a folder with no lock file yet is another learner's being made, unless older
+ORPHAN_AGE_S = 60.0  # a folder with no lock file is another learner's being made, unless older
 
 
 class ModelFolder:
@@ -41,9 +42,13 @@ class ModelFolder:
             if self._path is None:
                 self.root.mkdir(parents=True, exist_ok=True)
                 sweep(self.root)
-                path = Path(tempfile.mkdtemp(prefix="models-", dir=self.root))
-                lock = open(path / "lock", "wb")  # noqa: SIM115 - held for the process's life
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # Made and locked under a name no sweep looks at, then renamed: a learner starting
+                # at the same moment never sees it unlocked.
+                making = Path(tempfile.mkdtemp(prefix="making-", dir=self.root))
+                lock = open(making / "lock", "wb")  # noqa: SIM115 - held for the process's life
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                path = self.root / f"models-{making.name.removeprefix('making-')}"
+                making.rename(path)
                 self._path, self._lock = path, lock
             return self._path
 
@@ -58,9 +63,10 @@ class ModelFolder:
 
 
 def sweep(root: Path) -> list[Path]:
-    """Remove the model folders under `root` whose learner is gone; the folders removed."""
+    """Remove the model folders under `root` whose learner is gone (and folders a learner died
+    making, once ORPHAN_AGE_S old); the folders removed."""
     removed = []
-    for folder in root.glob("models-*"):
+    for folder in [*root.glob("models-*"), *root.glob("making-*")]:
         if _in_use(folder):
             continue
         shutil.rmtree(folder, ignore_errors=True)
@@ -69,6 +75,8 @@ def sweep(root: Path) -> list[Path]:
 
 
 def _in_use(folder: Path) -> bool:
+    if folder.name.startswith("making-"):  # its lock may be taken this instant: judged by age alone
+        return _young(folder)
     try:
         with open(folder / "lock", "rb") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -76,9 +84,14 @@ def _in_use(folder: Path) -> bool:
     except BlockingIOError:
         return True
     except FileNotFoundError:
-        try:  # no lock yet: a learner starting now is making it, unless it is old
-            return time.time() - folder.stat().st_mtime < ORPHAN_AGE_S
-        except OSError:
-            return True  # gone already
+        return _young(folder)
+    except OSError:
+        return True
+
+
+def _young(folder: Path) -> bool:
+    """Made less than ORPHAN_AGE_S ago (or gone already: nothing to remove)."""
+    try:
+        return time.time() - folder.stat().st_mtime < ORPHAN_AGE_S
     except OSError:
         return True

@@ -395,9 +395,10 @@ class LearnerService:
         """As `_fetch`; a model that came in chunks stays in a file of `self.models` (a TensorFile:
         read a tensor at a time), which the work cache deletes when it drops the model."""
         request = to_wire(ModelGet(job_id=job_id, digest=digest))
+        folder = self.models.path  # made here, on the training thread, not on the bus's
         try:
             body = self.bus.request_large(topology.MODEL, request, timeout=self.settings.request_timeout_s,
-                                          spool=lambda: self.models.path)
+                                          spool=lambda: folder)
         except Exception as exc:  # lost connection, no reply in time, not connected: the transport's
             raise BrokerUnavailable(f"model fetch failed: {type(exc).__name__}: {exc}") from exc
         if isinstance(body, bytes):

@@ -43,6 +43,7 @@ from fedmq.common.usercode import UserCodeError
 log = structlog.get_logger("fedmq.learner")
 
 MODEL_CACHE = 2  # the current round's weights, and the previous one for stragglers
+LOAD_BYTES = 64 * 1024 * 1024  # a model kept in a file loads this much at a time (each load walks the model)
 JOB_CACHE = 4  # jobs whose Task and model a learner keeps between tasks
 
 # (job id, digest) -> (weights, bytes): a dict, or a large model's file read a tensor at a time
@@ -117,11 +118,22 @@ def load_global(
             "same architecture in every process",
             round=server_round, client=client,
         )
-    if isinstance(weights, TensorFile):  # a large model's file: a tensor at a time, never all of it
-        for name in weights:  # (the names, shapes and dtypes were checked above: strict in effect)
-            model.load_state_dict({name: weights[name]}, strict=False)
-    else:
+    if not isinstance(weights, TensorFile):
         model.load_state_dict(weights)
+        return
+    # A large model's file: LOAD_BYTES of its tensors at a time, never all of it (the names, shapes
+    # and dtypes were checked above, so each partial load is as strict as one whole load).
+    batch: dict[str, torch.Tensor] = {}
+    held = 0
+    for name in weights:
+        dtype, shape = weights.meta(name)
+        batch[name] = weights[name]
+        held += shape.numel() * dtype.itemsize
+        if held >= LOAD_BYTES:
+            model.load_state_dict(batch, strict=False)
+            batch, held = {}, 0
+    if batch:
+        model.load_state_dict(batch, strict=False)
 
 
 def _meta(weights: Mapping[str, torch.Tensor], name: str) -> tuple[tuple[int, ...], torch.dtype]:

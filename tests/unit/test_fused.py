@@ -223,3 +223,29 @@ def test_a_dataset_trains_fused_to_the_bits_of_the_same_tensors(summed: bool) ->
         assert one.result == other.result
         for name, tensor in one.weights.items():
             assert torch.equal(tensor, other.weights[name]), name
+
+
+def test_a_round_planned_in_many_windows_trains_to_the_bits_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large data is planned a window of steps at a time (PLAN_ROWS bank rows), not a round at once."""
+    from fedmq.common.task import fused
+
+    task, data = Mlp(), clients()
+    model = model_for(task)
+    settings = TrainSettings(epochs=3, batch_size=8, optimizer="adam", lr=0.01)
+    whole = train_fused(task, model, data, contexts(model, len(data), settings))
+    monkeypatch.setattr(fused, "PLAN_ROWS", 8)  # a window a step
+    windows = train_fused(task, model, data, contexts(model, len(data), settings))
+    assert whole is not None and windows is not None
+    for one, other in zip(whole, windows, strict=True):
+        assert one.result == other.result
+        assert all(torch.equal(t, other.weights[n]) for n, t in one.weights.items())
+
+
+def test_clients_without_examples_train_nothing_and_say_so() -> None:
+    task = Mlp()
+    model = model_for(task)
+    empty = [(torch.zeros(0, 6), torch.zeros(0, dtype=torch.int64))] * 2
+    out = train_fused(task, model, empty, contexts(model, 2, SETTINGS["sgd"]))
+    assert out is not None and [o.result.num_examples for o in out] == [0, 0]
+    start = dict(model.named_parameters())
+    assert all(torch.equal(o.weights[n], start[n].detach()) for o in out for n in o.weights)

@@ -40,3 +40,27 @@ def test_a_running_learners_folder_is_kept_and_a_dead_ones_swept(tmp_path: Path)
     assert sorted(sweep(root)) == sorted([dead, old])
     assert mine.is_dir() and being_made.is_dir()
     alive.close()
+
+
+def test_learners_starting_together_never_sweep_each_others_folders(tmp_path: Path) -> None:
+    """Each learner's first fetch sweeps the others' folders while they may be making theirs."""
+    import threading
+
+    root = tmp_path / "learner"
+    for _ in range(20):
+        folders = [ModelFolder(root) for _ in range(8)]
+        start = threading.Barrier(len(folders))
+        made: list[Path] = []
+
+        def first_fetch(folder: ModelFolder, start: threading.Barrier, made: list[Path]) -> None:
+            start.wait()
+            made.append(folder.path)
+
+        threads = [threading.Thread(target=first_fetch, args=(f, start, made)) for f in folders]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(set(made)) == len(folders) and all(path.is_dir() for path in made)
+        for folder in folders:
+            folder.close()
