@@ -14,10 +14,11 @@ user in `user_id`, which RabbitMQ checks. The parts:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,7 @@ class RabbitBus(Bus):
         self._consumers.ready.clear()
         # Replies to the old reply queue can never arrive: let waiting requests fail now.
         for future in list(self._waiters.values()):
-            if not future.done():
+            with contextlib.suppress(InvalidStateError):  # one its request just gave up on
                 future.set_exception(ConnectionError("connection to the broker was lost"))
         self._blobs.forget()
         self._writer.forget()
@@ -232,9 +233,12 @@ class RabbitBus(Bus):
             ), mandatory=True))
             return future.result(timeout=timeout)
         except TimeoutError:
-            late = future.result() if future.done() and future.exception() is None else None
-            if isinstance(late, Path):  # it came as this wait ended: nobody else will delete it
-                late.unlink(missing_ok=True)
+            # A reply coming now finds the future cancelled and deletes its own file; one that came
+            # just before is this side's to delete.
+            if not future.cancel() and future.exception() is None:
+                late = future.result()
+                if isinstance(late, Path):
+                    late.unlink(missing_ok=True)
             raise TimeoutError(f"no reply from {queue} within {timeout:.1f}s") from None
         finally:
             self._waiters.pop(correlation_id, None)
@@ -273,13 +277,16 @@ class RabbitBus(Bus):
                 self._blobs.delete(headers[H_BLOB])
         ch.basic_ack(method.delivery_tag)
         future = self._waiters.pop(props.correlation_id or "", None)
-        if future is not None and not future.done():
+        try:
+            if future is None:
+                raise InvalidStateError("nobody waits for this reply")
             if failed is not None:
                 future.set_exception(failed)
             else:
                 future.set_result(reply)
-        elif isinstance(reply, Path):
-            reply.unlink(missing_ok=True)  # its request gave up waiting: nobody will delete it
+        except InvalidStateError:  # its request gave up waiting (cancelled): nobody will delete it
+            if isinstance(reply, Path):
+                reply.unlink(missing_ok=True)
 
     # -- traffic --------------------------------------------------------------
 

@@ -45,10 +45,17 @@ class ModelFolder:
                 # Made and locked under a name no sweep looks at, then renamed: a learner starting
                 # at the same moment never sees it unlocked.
                 making = Path(tempfile.mkdtemp(prefix="making-", dir=self.root))
-                lock = open(making / "lock", "wb")  # noqa: SIM115 - held for the process's life
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                path = self.root / f"models-{making.name.removeprefix('making-')}"
-                making.rename(path)
+                lock: IO[bytes] | None = None
+                try:
+                    lock = open(making / "lock", "wb")  # noqa: SIM115 - held for the process's life
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    path = self.root / f"models-{making.name.removeprefix('making-')}"
+                    making.rename(path)
+                except BaseException:
+                    if lock is not None:
+                        lock.close()
+                    shutil.rmtree(making, ignore_errors=True)
+                    raise
                 self._path, self._lock = path, lock
             return self._path
 

@@ -395,11 +395,11 @@ class LearnerService:
         """As `_fetch`; a model that came in chunks stays in a file of `self.models` (a TensorFile:
         read a tensor at a time), which the work cache deletes when it drops the model."""
         request = to_wire(ModelGet(job_id=job_id, digest=digest))
-        folder = self.models.path  # made here, on the training thread, not on the bus's
         try:
+            folder = self.models.path  # made here, on the training thread, not on the bus's
             body = self.bus.request_large(topology.MODEL, request, timeout=self.settings.request_timeout_s,
                                           spool=lambda: folder)
-        except Exception as exc:  # lost connection, no reply in time, not connected: the transport's
+        except Exception as exc:  # the transport's trouble, or this learner's disk: never the client's
             raise BrokerUnavailable(f"model fetch failed: {type(exc).__name__}: {exc}") from exc
         if isinstance(body, bytes):
             return self._decoded(body, digest), len(body)
