@@ -63,7 +63,7 @@ from fedmq.common.settings import Settings
 from fedmq.common.usercode import UserCodeError
 from fedmq.services.learner.ddp import DdpRunner
 from fedmq.services.learner.device import resolve_device
-from fedmq.services.learner.models import ModelFolder
+from fedmq.services.learner.models import ModelFolder, large_buffers_unmapped
 from fedmq.services.learner.work import Work
 
 log = structlog.get_logger("fedmq.learner")
@@ -411,6 +411,8 @@ class LearnerService:
             raise
         if not isinstance(weights, TensorFile):
             body.unlink(missing_ok=True)  # small enough to have been decoded whole
+        else:
+            large_buffers_unmapped()
         return weights, size
 
     def _decoded(self, body: bytes, digest: str) -> dict[str, torch.Tensor]:
