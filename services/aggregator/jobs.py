@@ -11,6 +11,7 @@ from torch import nn
 
 from fedmq.common.allowlist import AllowList
 from fedmq.common.coderefs import check_code
+from fedmq.common.heap import LARGE_MODEL_BYTES, large_buffers_unmapped
 from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import RoundClosed, UserError
 from fedmq.common.strategy.clients import ClientStore
@@ -123,6 +124,8 @@ def _assemble(spec: JobSpec, store: JobStore, allowed: AllowList) -> AggJob:
     check_code(spec, allowed)  # every name first, before the Task's module runs
     runtime = TaskRuntime.for_job(spec, allowed)
     model = runtime.build_model()
+    if sum(t.numel() * t.element_size() for t in model.state_dict().values()) >= LARGE_MODEL_BYTES:
+        large_buffers_unmapped()  # folds of its updates free large buffers: give them back
     return AggJob(
         spec=spec,
         store=store,

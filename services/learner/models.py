@@ -15,8 +15,6 @@ learner that died (SIGKILL): the next learner to start here removes it.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import fcntl
 import shutil
 import tempfile
@@ -25,9 +23,6 @@ import time
 from pathlib import Path
 from typing import IO
 
-MMAP_THRESHOLD = 1024 * 1024  # with large models: buffers this large get their own mapping
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-_fixed = False
 ORPHAN_AGE_S = 60.0  # a folder with no lock file is another learner's being made, unless older
 
 
@@ -108,24 +103,3 @@ def _young(folder: Path) -> bool:
     except OSError:
         return True
 
-
-def large_buffers_unmapped() -> None:
-    """From the first large model on, this process's buffers of MMAP_THRESHOLD or more each get a
-    mapping of their own, given back to the OS when freed (glibc; elsewhere nothing is done).
-
-    glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), so once
-    a large model's first tensors are freed the next ones come from the heap, whose freed pages
-    the process keeps. A 202 MB model's round left a learner at +2.8-3.0x the model over its warm
-    idle, +2.2x with the threshold fixed (benchmarks/large_model.py). Not for every process: with
-    small models each step's buffers of a MiB or more would map fresh pages (a small CNN's CPU step
-    took 71-73 ms against 40-44 ms); a 50 M-parameter MLP's step took the same within 2 %.
-    """
-    global _fixed
-    if _fixed:
-        return
-    _fixed = True
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return  # musl, macOS: another allocator
-    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)

@@ -37,6 +37,7 @@ from fedmq.common.bus.base import Body, Bus, Delivery
 from fedmq.common.codec import TensorFile
 from fedmq.common.errors import BrokerUnavailable, DecodeError, FedmqError, ValidationError
 from fedmq.common.groups import group_of, groupable
+from fedmq.common.heap import large_buffers_unmapped
 from fedmq.common.messages import (
     ClientFailure,
     ClientStateGet,
@@ -63,7 +64,7 @@ from fedmq.common.settings import Settings
 from fedmq.common.usercode import UserCodeError
 from fedmq.services.learner.ddp import DdpRunner
 from fedmq.services.learner.device import resolve_device
-from fedmq.services.learner.models import ModelFolder, large_buffers_unmapped
+from fedmq.services.learner.models import ModelFolder
 from fedmq.services.learner.work import Work
 
 log = structlog.get_logger("fedmq.learner")

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import pytest
 
 from fedmq.services.learner.models import ORPHAN_AGE_S, ModelFolder, sweep
 
@@ -67,32 +64,3 @@ def test_learners_starting_together_never_sweep_each_others_folders(tmp_path: Pa
         assert len(set(made)) == len(folders) and all(path.is_dir() for path in made)
         for folder in folders:
             folder.close()
-
-
-RETAINED = """
-import re, sys
-from fedmq.services.learner import models
-if sys.argv[1] == "fixed":
-    models.large_buffers_unmapped()
-def rss():
-    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
-big = bytearray(16 << 20)  # mapped, and freed: glibc's threshold rises to 16 MiB
-del big
-before = rss()
-block = bytearray(8 << 20)  # below that threshold now: from the heap, unless fixed
-del block
-print(rss() - before)
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
-def test_after_a_large_model_freed_buffers_go_back_to_the_os() -> None:
-    """Process-wide, so each case runs in a child: 8 MiB freed stays with a process whose threshold
-    rose, and goes back once it is fixed."""
-
-    def kept_kib(mode: str) -> int:
-        child = [sys.executable, "-c", RETAINED, mode]
-        return int(subprocess.run(child, capture_output=True, text=True, check=True).stdout.strip())
-
-    assert kept_kib("glibc") > 4 * 1024
-    assert kept_kib("fixed") < 1024
