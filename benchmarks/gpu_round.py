@@ -69,7 +69,8 @@ def plain_train(spec: JobSpec, device: torch.device) -> float:
                                device=device, global_weights=start,
                                generator=torch_generator(spec.seed, "train", server_round, client))
             runtime.train(model, client_data, ctx)
-            {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            update = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            del update  # copied off the device, as a learner's update is: timed, not kept
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - began

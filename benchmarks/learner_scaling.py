@@ -14,24 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from round_overhead import on_rabbitmq  # noqa: E402 - its clock of job events, on real processes
 
 from fedmq.common.jobspec import JobSpec, parse_job  # noqa: E402
 from fedmq.common.logging import configure_logging  # noqa: E402
-from fedmq.common.messages import JobEvent, JobSubmit  # noqa: E402
-from fedmq.common.settings import Settings  # noqa: E402
-from fedmq.services.cli.embedded import new_job_id  # noqa: E402
-from fedmq.services.cli.remote import Remote  # noqa: E402
-from tests.e2e.cluster import cluster  # noqa: E402
 
 
 def job(clients: int, epochs: int, rounds: int) -> JobSpec:
@@ -46,33 +40,6 @@ def job(clients: int, epochs: int, rounds: int) -> JobSpec:
     })
 
 
-def round_starts(spec: JobSpec, learners: int) -> list[float]:
-    """When each round started, and when the job ended, from the job's events."""
-    starts: dict[int, float] = {}
-    done = threading.Event()
-
-    def clock(event: JobEvent, t0: float) -> None:
-        now = time.perf_counter() - t0
-        if event.kind == "round_started" and event.round is not None:
-            starts[event.round] = now
-        elif event.kind in ("completed", "failed", "cancelled"):
-            assert event.kind == "completed", event
-            starts[spec.rounds + 1] = now
-            done.set()
-
-    with tempfile.TemporaryDirectory() as tmp, cluster(Path(tmp), learners=learners) as c:
-        c.wait_learners(learners, timeout=120)
-        with Remote(Settings(broker_url=c.url, state_dir=Path(tmp) / "cli")) as remote:
-            job_id = new_job_id(spec)
-            follower = remote.follow(job_id)
-            t0 = time.perf_counter()
-            remote.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
-            for event in follower.events(idle_timeout=600):
-                clock(event, t0)
-        c.stop_all()
-    return [starts[r] for r in range(1, spec.rounds + 2)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--learners", default="1,2,4,8")
@@ -85,11 +52,9 @@ def main() -> None:
     report: dict[str, Any] = {"benchmark": "learner_scaling", "cpus": os.cpu_count(),
                               "clients_per_round": args.clients, "epochs": args.epochs, "runs": {}}
     for learners in (int(n) for n in args.learners.split(",")):
-        starts = round_starts(spec, learners)
-        steady = [b - a for a, b in zip(starts[2:], starts[3:], strict=False)]
-        median = statistics.median(steady)
-        report["runs"][str(learners)] = {"round_s_median": round(median, 4),
-                                         "clients_per_s": round(args.clients / median, 2)}
+        median = on_rabbitmq(spec, learners)["round_s_median"]  # steady rounds: after the second
+        per_s = round(args.clients / median, 2)
+        report["runs"][str(learners)] = {"round_s_median": median, "clients_per_s": per_s}
     first = report["runs"][args.learners.split(",")[0]]["clients_per_s"]
     for row in report["runs"].values():
         row["throughput_over_first"] = round(row["clients_per_s"] / first, 2)

@@ -53,20 +53,12 @@ class Bank:
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         return cls(templates.pop(), parts, offsets)
 
-    def rows(
-        self, clients: Sequence[int], slices: Sequence[torch.Tensor], length: int
-    ) -> tuple[Any, torch.Tensor]:
-        """Each client's batch (`slices[j]`: indices into its own data) padded to `length` with its
-        first example, stacked on a new leading axis, and the (G, length) float mask of real rows."""
-        index, mask = self.index(clients, slices, length)
-        device = self.parts[0].device
-        return self.take(index.reshape(-1).to(device), len(slices), length), mask.to(torch.float32).to(device)
-
     def index(
         self, clients: Sequence[int], slices: Sequence[torch.Tensor], length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where `rows` takes each batch's examples from, on the host: the (G, length) rows of the
-        bank (past a batch's size, its first example again) and the (G, length) bool mask of real ones."""
+        """Where each client's batch (`slices[j]`: indices into its own data, padded to `length`
+        with its first example) lies in the bank, on the host: the (G, length) rows of the bank and
+        the (G, length) bool mask of real ones. `take` gathers them on the device."""
         sizes = torch.tensor([len(s) for s in slices], dtype=torch.int64)
         flat = torch.cat(list(slices)) + torch.repeat_interleave(self.offsets[list(clients)], sizes)
         firsts = flat[torch.cumsum(sizes, 0) - sizes]

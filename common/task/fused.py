@@ -418,7 +418,7 @@ class _Trainer:
         if self.bank is not None:
             assert prepared.rows is not None
             batches = self.bank.take(prepared.rows, len(group), prepared.length)
-            return batches, prepared.mask if self.masked else None
+            return batches, prepared.mask  # None unless masked
         if not self.masked:
             return _stack([batch for _, batch, _ in group], self.device), None
         batches = _stack([_pad(batch, prepared.length) for _, batch, _ in group], self.device)

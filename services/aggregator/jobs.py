@@ -19,7 +19,7 @@ from fedmq.common.strategy.contract import Strategy
 from fedmq.common.strategy.loading import check_strategy, make_strategy
 from fedmq.common.task.runtime import TaskRuntime
 from fedmq.common.usercode import user_code
-from fedmq.services.aggregator.limits import DiskQuota
+from fedmq.services.aggregator.limits import DiskQuota, model_bytes
 from fedmq.services.aggregator.store import JobStore, weights_digest
 
 
@@ -124,7 +124,7 @@ def _assemble(spec: JobSpec, store: JobStore, allowed: AllowList) -> AggJob:
     check_code(spec, allowed)  # every name first, before the Task's module runs
     runtime = TaskRuntime.for_job(spec, allowed)
     model = runtime.build_model()
-    if sum(t.numel() * t.element_size() for t in model.state_dict().values()) >= LARGE_MODEL_BYTES:
+    if model_bytes(views(model)) >= LARGE_MODEL_BYTES:
         large_buffers_unmapped()  # folds of its updates free large buffers: give them back
     return AggJob(
         spec=spec,

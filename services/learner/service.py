@@ -384,29 +384,33 @@ class LearnerService:
         return topology.SCHEDULER, to_wire(failure)
 
     def _fetch(self, job_id: str, digest: str) -> tuple[dict[str, torch.Tensor], int]:
-        """A global model from the aggregator by digest (request/reply over the bus), and its size."""
-        request = to_wire(ModelGet(job_id=job_id, digest=digest))
-        try:
-            body = self.bus.request(topology.MODEL, request, timeout=self.settings.request_timeout_s)
-        except Exception as exc:  # lost connection, no reply in time, not connected: the transport's
-            raise BrokerUnavailable(f"model fetch failed: {type(exc).__name__}: {exc}") from exc
-        return self._decoded(body, digest), len(body)
+        """A global model from the aggregator by digest (request/reply over the bus), and its size,
+        in memory (a DDP rank's start)."""
+        weights, size = self._fetch_model(job_id, digest, to_file=False)
+        return dict(weights), size
 
     def _fetch_large(self, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
         """As `_fetch`; a model that came in chunks stays in a file of `self.models` (a TensorFile:
         read a tensor at a time), which the work cache deletes when it drops the model."""
+        return self._fetch_model(job_id, digest, to_file=True)
+
+    def _fetch_model(self, job_id: str, digest: str, to_file: bool) -> tuple[Mapping[str, torch.Tensor], int]:
         request = to_wire(ModelGet(job_id=job_id, digest=digest))
+        timeout = self.settings.request_timeout_s
         try:
-            folder = self.models.path  # made here, on the training thread, not on the bus's
-            body = self.bus.request_large(topology.MODEL, request, timeout=self.settings.request_timeout_s,
-                                          spool=lambda: folder)
+            if to_file:
+                folder = self.models.path  # made here, on the training thread, not on the bus's
+                body = self.bus.request_large(topology.MODEL, request, timeout=timeout, spool=lambda: folder)
+            else:
+                body = self.bus.request(topology.MODEL, request, timeout=timeout)
         except Exception as exc:  # the transport's trouble, or this learner's disk: never the client's
             raise BrokerUnavailable(f"model fetch failed: {type(exc).__name__}: {exc}") from exc
+        limit = self.settings.max_message_bytes
         if isinstance(body, bytes):
-            return self._decoded(body, digest), len(body)
+            return self._model(from_wire(body, max_bytes=limit), digest), len(body)
         try:
             size = body.stat().st_size
-            weights = self._model(from_wire_file(body, max_bytes=self.settings.max_message_bytes), digest)
+            weights = self._model(from_wire_file(body, max_bytes=limit), digest)
         except BaseException:
             body.unlink(missing_ok=True)
             raise
@@ -415,9 +419,6 @@ class LearnerService:
         else:
             large_buffers_unmapped()
         return weights, size
-
-    def _decoded(self, body: bytes, digest: str) -> dict[str, torch.Tensor]:
-        return dict(self._model(from_wire(body, max_bytes=self.settings.max_message_bytes), digest))
 
     @staticmethod
     def _model(msg: Message, digest: str) -> Mapping[str, torch.Tensor]:

@@ -29,7 +29,8 @@ def test_rows_are_each_clients_batch_padded_with_its_first_example_and_stacked()
         assert bank is not None, form
         g = torch.Generator().manual_seed(2)
         slices = [torch.randperm(n, generator=g)[:3] for n in sizes]
-        batches, mask = bank.rows([0, 1, 2, 3], slices, 6)
+        index, real = bank.index([0, 1, 2, 3], slices, 6)
+        batches, mask = bank.take(index.reshape(-1), 4, 6), real.to(torch.float32)
         expected = _stack([_pad(src.batch(s), 6) for src, s in zip(sources, slices, strict=True)], CPU)
         for got, want in zip(_leaves(batches), _leaves(expected), strict=True):
             assert torch.equal(got, want), form
