@@ -1,4 +1,4 @@
-"""Orchestration cost per round: 1 SGD step per client, 10 clients a round, 3 learners.
+"""Orchestration cost per round: 1 SGD step per client, 10 clients a round (--clients), 3 learners.
 
 Measures, on RabbitMQ (real service processes) and on the in-memory bus (one process):
 the steady per-round time, and the time from submitting a job to its first round
@@ -86,9 +86,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--learners", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=10, help="clients a round (all of the job's)")
     args = parser.parse_args()
     configure_logging("json", "warning")
-    spec = load_job(REPO / "examples" / "digits.yaml", {"rounds": args.rounds, "train.max_steps": 1})
+    spec = load_job(REPO / "examples" / "digits.yaml", {
+        "rounds": args.rounds, "train.max_steps": 1, "clients.total": args.clients,
+        "clients.per_round": args.clients, "clients.min_fit": args.clients,
+    })
     plain = reference_fedavg(spec)["round_seconds"][2:]
     report = {
         "job": "examples/digits.yaml with train.max_steps=1",

@@ -9,7 +9,7 @@ may be called from any thread.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,12 @@ class Bus(ABC):
         headers: dict[str, Any] | None = None,
     ) -> None:
         """Send to a named queue; returns once the broker holds the message."""
+
+    def publish_all(self, messages: Sequence[tuple[str, bytes]]) -> None:
+        """Publish each (queue, body) in order; returns once the broker holds them all. A failure
+        may leave some sent, as publishing one at a time would: a caller's handling is idempotent."""
+        for queue, body in messages:
+            self.publish(queue, body)
 
     @abstractmethod
     def publish_event(self, topic: str, body: bytes) -> None:

@@ -112,14 +112,13 @@ class EvaluationLoop(JobLoop):
 
     def _dispatch_eval(self, job: SchedJob, server_round: int, clients: list[int]) -> list[int]:
         unserved = self._unserved(job, clients)
-        for client in clients:
-            if client in unserved:
-                continue
-            task = EvalTask(
+        self.bus.publish_all([
+            (self._task_queue(job, client), to_wire(EvalTask(
                 job_id=job.job_id, task_id=f"{job.job_id}:e{server_round}:{client}", round=server_round,
                 client=client, model_digest=job.model_digest, spec=job.raw_spec,
-            )
-            self.bus.publish(self._task_queue(job, client), to_wire(task))
+            )))
+            for client in clients if client not in unserved
+        ])
         return unserved
 
     def _complete_round(self, job: SchedJob, record: dict[str, Any]) -> None:

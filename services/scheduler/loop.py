@@ -68,11 +68,8 @@ class JobLoop:
         handled again (the aggregator and learners take the repeats as duplicates)."""
         spec = job.spec
         clients = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
-        self.bus.publish(
-            topology.AGGREGATOR,
-            to_wire(RoundOpen(job_id=job.job_id, round=server_round, clients=clients)),
-        )
-        unserved = self._dispatch(job, server_round, clients)
+        opening = RoundOpen(job_id=job.job_id, round=server_round, clients=clients)
+        unserved = self._dispatch(job, server_round, clients, first=(topology.AGGREGATOR, to_wire(opening)))
         job.round, job.sync = server_round, {}
         job.state = RoundState(
             round=server_round,
@@ -114,9 +111,13 @@ class JobLoop:
         site = job.spec.clients.site(client)
         return topology.TASKS if site is None else topology.site_queue(site)
 
-    def _dispatch(self, job: SchedJob, server_round: int, clients: list[int]) -> list[int]:
-        """Send the clients' training tasks; returns the sites' clients not sent (no learner hosts them)."""
+    def _dispatch(
+        self, job: SchedJob, server_round: int, clients: list[int], first: tuple[str, bytes] | None = None
+    ) -> list[int]:
+        """Send the clients' training tasks, after `first` and together with it (one wait for the
+        broker, not one each); returns the sites' clients not sent (no learner hosts them)."""
         unserved = self._unserved(job, clients)
+        messages = [] if first is None else [first]
         for client in clients:
             if client in unserved:
                 continue
@@ -129,7 +130,8 @@ class JobLoop:
                 spec=job.raw_spec,
                 config=job.config,
             )
-            self.bus.publish(self._task_queue(job, client), to_wire(task))
+            messages.append((self._task_queue(job, client), to_wire(task)))
+        self.bus.publish_all(messages)
         return unserved
 
     def _cancel_timers(self, job: SchedJob) -> None:

@@ -193,6 +193,50 @@ def test_a_large_message_crosses_in_one_piece(transport: Transport) -> None:
         assert bytes(got.get(timeout=WAIT).body) == big
 
 
+def test_messages_published_together_arrive_in_order_small_and_large(transport: Transport) -> None:
+    big = os.urandom(transport.settings.frame_bytes + 1)
+    tasks: queue.Queue[Delivery] = queue.Queue()
+    updates: queue.Queue[Delivery] = queue.Queue()
+    with running(transport, "consumer") as consumer, running(transport, "producer") as producer:
+        consumer.consume("fedmq.tasks", collector(tasks))
+        consumer.consume("fedmq.aggregator", collector(updates))
+        tasks_sent = [("fedmq.tasks", b"t%d" % i) for i in range(12)]
+        producer.publish_all([("fedmq.aggregator", b"open"), *tasks_sent])
+        producer.publish_all([("fedmq.aggregator", b"after"), ("fedmq.aggregator", big)])  # a blob among them
+        assert [tasks.get(timeout=WAIT).body for _ in range(12)] == [b"t%d" % i for i in range(12)]
+        assert [bytes(updates.get(timeout=WAIT).body) for _ in range(3)] == [b"open", b"after", big]
+        producer.publish_all([])
+    assert tasks.empty() and updates.empty()
+
+
+@pytest.mark.rabbitmq
+def test_a_message_no_queue_takes_fails_its_batch_the_others_are_sent(tmp_path: Path) -> None:
+    import pika
+    import pika.exceptions
+
+    from fedmq.common.bus.rabbitmq import RabbitBus
+    from fedmq.common.settings import Settings
+    from tests.rabbit import fresh_vhost
+
+    got: queue.Queue[Delivery] = queue.Queue()
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, log_format="json")
+        transport = Transport("rabbitmq", settings, lambda name: RabbitBus(settings, name), url=url)
+        with running(transport, "consumer") as consumer, running(transport, "producer") as producer:
+            consumer.consume("fedmq.aggregator", collector(got))
+            admin = pika.BlockingConnection(pika.URLParameters(url))
+            admin.channel().queue_delete("fedmq.tasks")  # its exchange now routes a task nowhere
+            admin.close()
+            with pytest.raises(pika.exceptions.UnroutableError) as failed:
+                producer.publish_all(
+                    [("fedmq.aggregator", b"a"), ("fedmq.tasks", b"lost"), ("fedmq.aggregator", b"b")]
+                )
+            assert [m.body for m in failed.value.messages] == [b"lost"]
+            assert [got.get(timeout=WAIT).body for _ in range(2)] == [b"a", b"b"]
+            producer.publish_all([("fedmq.aggregator", b"c"), ("fedmq.aggregator", b"d")])  # goes on
+            assert [got.get(timeout=WAIT).body for _ in range(2)] == [b"c", b"d"]
+
+
 def test_events_reach_every_matching_subscriber(transport: Transport) -> None:
     seen: queue.Queue[tuple[str, bytes]] = queue.Queue()
     with running(transport, "a") as a, running(transport, "b") as b:

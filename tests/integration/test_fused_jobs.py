@@ -8,7 +8,7 @@ weights stay within float error of plain sequential FedAvg.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +128,12 @@ def twice(connect: Callable[[str], Bus]) -> Callable[[str], Bus]:
             if isinstance(from_wire(body), TrainTask):
                 publish(queue, body, **kwargs)
 
+        def publish_all_twice(messages: Sequence[tuple[str, bytes]]) -> None:  # a round's tasks
+            for queue, body in messages:
+                publish_twice(queue, body)
+
         bus.publish = publish_twice  # type: ignore[method-assign]
+        bus.publish_all = publish_all_twice  # type: ignore[method-assign]
         return bus
 
     return make

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,11 +140,19 @@ def test_a_publish_the_broker_cut_off_is_made_again_when_the_message_that_led_to
 
     class LosesTheBrokerOnce(RabbitBus):
         def publish(self, queue: str, body: Body, **kwargs: Any) -> None:
+            self._cut(body)
+            super().publish(queue, body, **kwargs)
+
+        def publish_all(self, messages: Sequence[tuple[str, bytes]]) -> None:  # a round's RoundOpen and tasks
+            for _, body in messages:
+                self._cut(body)
+            super().publish_all(messages)
+
+        def _cut(self, body: Body) -> None:
             msg = from_wire(body)
             if isinstance(msg, lost) and msg.round == 2 and not failed:
                 failed.append(msg.round)
                 raise pika.exceptions.StreamLostError("the broker closed the connection")
-            super().publish(queue, body, **kwargs)
 
     with fresh_vhost() as url:
         settings = Settings(broker_url=url, state_dir=tmp_path, log_format="json")

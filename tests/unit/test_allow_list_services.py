@@ -33,6 +33,10 @@ class Recording:
     def publish(self, queue: str, body: bytes, **kwargs: Any) -> None:
         self.sent.append((queue, from_wire(body)))
 
+    def publish_all(self, messages: list[tuple[str, bytes]]) -> None:
+        for queue, body in messages:
+            self.publish(queue, body)
+
     def publish_event(self, topic: str, body: bytes) -> None:
         self.sent.append((topic, from_wire(body)))
 
