@@ -14,6 +14,7 @@ the last epoch's example-weighted means of the loss and of every metric `loss` r
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,13 +26,18 @@ from fedmq.common.task.batches import Source, batch_size_of, source, to_device
 from fedmq.common.task.contract import EvalContext, EvalResult, TrainContext, TrainResult
 from fedmq.common.task.dpsgd import PrivateGradients, epsilon_spent
 from fedmq.common.task.functional import split_loss
-from fedmq.common.task.optimizers import make_optimizer
+from fedmq.common.task.optimizers import Adam, Sgd, make_optimizer
 from fedmq.common.task.scaffold import Controls
 
 if TYPE_CHECKING:
     from fedmq.common.task.contract import Task
 
 __all__ = ["PROXIMAL_MU", "evaluate_with_loss", "train_with_loss"]
+
+# From this size of parameters on, each steps in the backward pass (optimizers.in_backward): the
+# learner's peak is then the model and one layer's gradient, not the model twice. Below it, a hook
+# per parameter per step would cost more than the memory it saves. The same bits either way.
+STEP_IN_BACKWARD_BYTES = 64 * 1024 * 1024
 
 
 def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) -> TrainResult:
@@ -44,6 +50,18 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
     anchors = _anchors(model, ctx.global_weights, ctx.device) if mu > 0 else []
     controls = Controls.for_round(model, ctx)
     private = _private(task, model, src, ctx)
+    # A large model steps each parameter during the backward pass: its gradients are never all held.
+    early = private is None and controls is None and _parameter_bytes(model) >= STEP_IN_BACKWARD_BYTES
+    with optimizer.in_backward() if early else contextlib.nullcontext():
+        return _epochs(task, model, src, ctx, optimizer, anchors, mu, controls, private)
+
+
+def _epochs(
+    task: Task, model: nn.Module, src: Source, ctx: TrainContext, optimizer: Sgd | Adam,
+    anchors: list[tuple[torch.Tensor, torch.Tensor]], mu: float, controls: Controls | None,
+    private: PrivateGradients | None,
+) -> TrainResult:
+    settings = ctx.train
     steps, sums, seen = 0, _Sums(ctx.device), 0
     for _ in range(settings.epochs):
         sums, seen = _Sums(ctx.device), 0
@@ -67,6 +85,10 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
             if settings.max_steps is not None and steps >= settings.max_steps:
                 return _result(seen, sums, controls, _spent(src, ctx, steps))
     return _result(seen, sums, controls, _spent(src, ctx, steps))
+
+
+def _parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _private(task: Task, model: nn.Module, src: Source, ctx: TrainContext) -> PrivateGradients | None:

@@ -10,7 +10,8 @@ against torch.optim step by step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -31,10 +32,20 @@ def make_optimizer(model: nn.Module, settings: TrainSettings) -> Sgd | Adam:
 
 
 class _Steps:
-    """What both optimizers share: their parameters, and zeroing their gradients as torch.optim does."""
+    """What both optimizers share: their parameters, a step over each that has a gradient, zeroing
+    their gradients as torch.optim does, and stepping during the backward pass."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self.params = list(params)
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    self._step(i, p, p.grad)
+
+    def _step(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
+        raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -42,6 +53,30 @@ class _Steps:
                 p.grad = None
             else:
                 p.grad.detach_().zero_()
+
+    @contextlib.contextmanager
+    def in_backward(self) -> Iterator[None]:
+        """While open, each parameter steps as soon as the backward pass has its gradient, which is
+        then dropped: memory holds one layer's gradient at a time, not the whole model's again. The
+        same bits as `step()` after it (each parameter's step reads only its own gradient and state);
+        `step()` then finds no gradient. Not for what reads every gradient first (clipping, SCAFFOLD's
+        correction, DP-SGD)."""
+
+        def stepped(i: int) -> Callable[[torch.Tensor], None]:
+            def hook(p: torch.Tensor) -> None:
+                with torch.no_grad():
+                    assert p.grad is not None
+                    self._step(i, p, p.grad)
+                p.grad = None
+            return hook
+
+        handles = [p.register_post_accumulate_grad_hook(stepped(i))
+                   for i, p in enumerate(self.params) if p.requires_grad]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 class Sgd(_Steps):
@@ -54,22 +89,17 @@ class Sgd(_Steps):
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
 
-    def step(self) -> None:
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                grad = p.grad
-                if grad is None:
-                    continue
-                if self.weight_decay != 0:
-                    grad = grad.add(p, alpha=self.weight_decay)
-                if self.momentum != 0:
-                    buf = self.buffers[i]
-                    if buf is None:
-                        buf = self.buffers[i] = grad.detach().clone()
-                    else:
-                        buf.mul_(self.momentum).add_(grad, alpha=1)
-                    grad = buf
-                p.add_(grad, alpha=-self.lr)
+    def _step(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.weight_decay != 0:
+            grad = grad.add(p, alpha=self.weight_decay)
+        if self.momentum != 0:
+            buf = self.buffers[i]
+            if buf is None:
+                buf = self.buffers[i] = grad.detach().clone()
+            else:
+                buf.mul_(self.momentum).add_(grad, alpha=1)
+            grad = buf
+        p.add_(grad, alpha=-self.lr)
 
 
 class Adam(_Steps):
@@ -82,26 +112,21 @@ class Adam(_Steps):
         self.moments: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.params)
         self.counts = [0] * len(self.params)
 
-    def step(self) -> None:
+    def _step(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
         beta1, beta2 = ADAM_BETAS
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                grad = p.grad
-                if grad is None:
-                    continue
-                moments = self.moments[i]
-                if moments is None:
-                    moments = self.moments[i] = (
-                        torch.zeros_like(p, memory_format=torch.preserve_format),
-                        torch.zeros_like(p, memory_format=torch.preserve_format),
-                    )
-                exp_avg, exp_avg_sq = moments
-                self.counts[i] += 1
-                step = float(self.counts[i])
-                if self.weight_decay != 0:
-                    grad = grad.add(p, alpha=self.weight_decay)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                step_size = self.lr / (1 - beta1**step)
-                denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(ADAM_EPS)
-                p.addcdiv_(exp_avg, denom, value=-step_size)
+        moments = self.moments[i]
+        if moments is None:
+            moments = self.moments[i] = (
+                torch.zeros_like(p, memory_format=torch.preserve_format),
+                torch.zeros_like(p, memory_format=torch.preserve_format),
+            )
+        exp_avg, exp_avg_sq = moments
+        self.counts[i] += 1
+        step = float(self.counts[i])
+        if self.weight_decay != 0:
+            grad = grad.add(p, alpha=self.weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step_size = self.lr / (1 - beta1**step)
+        denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(ADAM_EPS)
+        p.addcdiv_(exp_avg, denom, value=-step_size)

@@ -66,6 +66,27 @@ class JobContext:
     spec: JobSpec
     runtime: TaskRuntime
     model: nn.Module
+    lent: bool = False  # the model's tensors went out in an update: it gets fresh ones before its next load
+
+    def load(self, weights: Mapping[str, torch.Tensor], server_round: int, client: int) -> None:
+        """The global weights into the model (load_global), into fresh tensors if its own were lent."""
+        if self.lent:
+            for tensor in self.model.state_dict(keep_vars=True).values():
+                tensor.data = torch.empty_like(tensor)  # the update keeps the old ones, unchanged
+            self.lent = False
+        load_global(self.model, weights, server_round, client)
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """The trained model's tensors for its update, which the bus may still be sending (a publish
+        that timed out goes on) when the next task trains. On the host, the model's own, lent: its next
+        `load` gives the model fresh ones (a copy would hold a large model twice); from a device,
+        copied to the host."""
+        self.model.zero_grad(set_to_none=True)  # a model's worth of memory no one reads again
+        state = self.model.state_dict()
+        if all(t.device.type == "cpu" for t in state.values()):
+            self.lent = True
+            return {k: v.detach() for k, v in state.items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
 class ClientDataCache:
@@ -170,11 +191,6 @@ def compressed(
                                      "extras": extras})
 
 
-def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trained model's tensors, copied to the host (the model is trained again next task)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-
 def fuse_budget(device: torch.device) -> int:
     """A quarter of the device's free memory (the host's available memory on CPU; 1 GiB unknown)."""
     if device.type == "cuda":
@@ -227,11 +243,10 @@ class Work:
         client_state, residual = split_residual(stored)  # the strategy's, and compression's own
         fetched = time.perf_counter()
         data = self._client_data(job, task.job_id, task.client)
-        load_global(job.model, weights, task.round, task.client)
+        job.load(weights, task.round, task.client)
         ctx = self._context(job, task, weights, client_state)
         result = job.runtime.train(job.model, data, ctx)
-        job.model.zero_grad(set_to_none=True)  # a model's worth of memory no one reads again
-        state = _cpu_state(job.model)
+        state = job.trained_state()
         seconds = time.perf_counter() - fetched
         self.metrics.train_seconds.observe(seconds)
         return self._update(job, task, weights, state, result, seconds, fetched - started, fetch_bytes,
@@ -261,7 +276,7 @@ class Work:
         started = time.perf_counter()
         weights, fetch_bytes = self._weights(first.job_id, first.model_digest)
         fetched = time.perf_counter()
-        load_global(job.model, weights, first.round, first.client)
+        job.load(weights, first.round, first.client)
         out: list[ClientUpdate | Exception | None] = [None] * len(tasks)
         ready: list[tuple[int, ClientData, TrainContext]] = []
         for i, task in enumerate(tasks):
@@ -281,9 +296,9 @@ class Work:
                 for i, data, ctx in chunk:
                     try:
                         began = time.perf_counter()
-                        load_global(job.model, weights, tasks[i].round, tasks[i].client)
+                        job.load(weights, tasks[i].round, tasks[i].client)
                         result = job.runtime.train(job.model, data, ctx)
-                        out[i] = self._update(job, tasks[i], weights, _cpu_state(job.model), result,
+                        out[i] = self._update(job, tasks[i], weights, job.trained_state(), result,
                                               time.perf_counter() - began, fetched - started, fetch_bytes)
                     except Exception as exc:
                         out[i] = exc
@@ -353,7 +368,7 @@ class Work:
         weights, fetch_bytes = self._weights(task.job_id, task.model_digest)
         fetch_seconds = time.perf_counter() - started
         data = self._client_data(job, task.job_id, task.client)
-        load_global(job.model, weights, task.round, task.client)
+        job.load(weights, task.round, task.client)
         report = EvalReport(job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
                             num_examples=0, learner=self.name, fetch_bytes=fetch_bytes,
                             fetch_seconds=fetch_seconds)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -49,3 +50,35 @@ def test_the_loops_adam_takes_torch_optims_steps_bit_for_bit(weight_decay: float
             opt.step()
         for a, b in zip(mine.parameters(), theirs.parameters(), strict=True):
             assert torch.equal(a, b), f"step {step}"
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: Sgd(params, 0.05, 0.9, 1e-3),
+    lambda params: Adam(params, 0.01, 1e-2),
+], ids=["sgd", "adam"])
+def test_stepping_in_the_backward_pass_takes_the_same_steps_holding_one_gradient_at_a_time(make: Any) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.ReLU(), nn.Linear(7, 3))
+    early = copy.deepcopy(plain)
+    early[2].bias.requires_grad_(False)  # frozen: no gradient, no hook, left alone by both
+    plain[2].bias.requires_grad_(False)
+    params = [p for p in early.parameters() if p.requires_grad]
+    held: list[int] = []  # gradients held when each arrives (a hook registered before the optimizer's)
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: held.append(sum(q.grad is not None for q in params)))
+    ours, theirs = make(early.parameters()), make(plain.parameters())
+    for step in range(6):
+        x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+        theirs.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(plain(x), y).backward()
+        theirs.step()
+        with ours.in_backward():
+            ours.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(early(x), y).backward()
+            assert all(p.grad is None for p in early.parameters()), "each gradient dropped once used"
+            ours.step()  # finds none: nothing more happens
+        for a, b in zip(early.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(a, b), f"step {step}"
+    assert held == [1] * (len(params) * 6)
+    nn.functional.cross_entropy(early(torch.randn(2, 5)), torch.tensor([0, 1])).backward()
+    assert all(p.grad is not None for p in params), "closed: the hooks are gone"

@@ -315,3 +315,38 @@ def test_train_always_gets_a_model_in_training_mode_and_evaluate_one_in_eval_mod
     rt.evaluate(model, data.val, fedmq.EvalContext(round=1, seed=1, device=CPU))
     rt.train(model, data, train_ctx(rt))
     assert task.modes == [("train", True), ("evaluate", False), ("train", True)]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_large_model_steps_in_the_backward_pass_with_the_same_bits(
+    optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedmq.common.task import loop, optimizers
+
+    rt = runtime()
+    data = rt.load_data(1, None)
+    anchor = {k: v.clone() for k, v in rt.build_model().state_dict().items()}
+    used: list[bool] = []
+    opened = optimizers._Steps.in_backward
+
+    def counted(self: Any) -> Any:
+        used.append(True)
+        return opened(self)
+
+    monkeypatch.setattr(optimizers._Steps, "in_backward", counted)
+
+    def trained(threshold: int) -> tuple[fedmq.TrainResult, dict[str, torch.Tensor]]:
+        monkeypatch.setattr(loop, "STEP_IN_BACKWARD_BYTES", threshold)
+        model = rt.build_model()
+        settings = fedmq.TrainSettings(epochs=3, batch_size=3, lr=0.1, optimizer=optimizer,  # type: ignore[arg-type]
+                                       momentum=0.5 if optimizer == "sgd" else 0.0, weight_decay=1e-3)
+        ctx = train_ctx(rt, 1, proximal_mu=0.3)  # FedProx's term too
+        ctx = fedmq.TrainContext(**{**ctx.__dict__, "global_weights": anchor, "train": settings})
+        return rt.train(model, data, ctx), model.state_dict()
+
+    plain, plain_weights = trained(1 << 40)
+    assert not used
+    early, early_weights = trained(0)  # every model counts as large
+    assert used == [True]
+    assert early == plain
+    assert all(torch.equal(plain_weights[k], early_weights[k]) for k in plain_weights)
