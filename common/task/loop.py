@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PROXIMAL_MU", "evaluate_with_loss", "train_with_loss"]
 
-# From this size of parameters on, each steps in the backward pass (optimizers.in_backward): the
+# From this size of parameters on, each steps in the backward pass (optimizers.in_backward) when the
+# Task allows it (Task.lean_memory): the
 # learner's peak is then the model and one layer's gradient, not the model twice. Below it, a hook
 # per parameter per step would cost more than the memory it saves. The same bits either way.
 STEP_IN_BACKWARD_BYTES = 64 * 1024 * 1024
@@ -50,8 +51,10 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
     anchors = _anchors(model, ctx.global_weights, ctx.device) if mu > 0 else []
     controls = Controls.for_round(model, ctx)
     private = _private(task, model, src, ctx)
-    # A large model steps each parameter during the backward pass: its gradients are never all held.
-    early = private is None and controls is None and _parameter_bytes(model) >= STEP_IN_BACKWARD_BYTES
+    # A large model of a Task that promises it is safe (Task.lean_memory) steps each parameter during
+    # the backward pass: its gradients are never all held.
+    early = (private is None and controls is None and task.lean_memory
+             and _parameter_bytes(model) >= STEP_IN_BACKWARD_BYTES)
     with optimizer.in_backward() if early else contextlib.nullcontext():
         return _epochs(task, model, src, ctx, optimizer, anchors, mu, controls, private)
 

@@ -37,6 +37,7 @@ class _Steps:
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self.params = list(params)
+        self._stepped: set[int] = set()  # in_backward: the parameters stepped since zero_grad
 
     def step(self) -> None:
         with torch.no_grad():
@@ -48,6 +49,7 @@ class _Steps:
         raise NotImplementedError
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._stepped.clear()
         for p in self.params:
             if set_to_none or p.grad is None:
                 p.grad = None
@@ -58,14 +60,23 @@ class _Steps:
     def in_backward(self) -> Iterator[None]:
         """While open, each parameter steps as soon as the backward pass has its gradient, which is
         then dropped: memory holds one layer's gradient at a time, not the whole model's again. The
-        same bits as `step()` after it (each parameter's step reads only its own gradient and state);
-        `step()` then finds no gradient. Not for what reads every gradient first (clipping, SCAFFOLD's
-        correction, DP-SGD)."""
+        same bits as `step()` after it (each parameter's step reads only its own gradient and state),
+        as long as each parameter's gradient comes once per backward pass (Task.lean_memory's promise);
+        a second one raises rather than step twice. `step()` then finds no gradient. Not for what reads
+        every gradient first (clipping, SCAFFOLD's correction, DP-SGD)."""
 
         def stepped(i: int) -> Callable[[torch.Tensor], None]:
             def hook(p: torch.Tensor) -> None:
+                if p.grad is None:  # a custom backward gave it none: no step, as step() would
+                    return
+                if i in self._stepped:
+                    raise RuntimeError(
+                        f"parameter {i} of the model got a second gradient in one backward pass (reentrant "
+                        "checkpointing, or a backward() of the Task's own?): stepping it during the backward "
+                        "pass would step it twice. Set the Task's lean_memory = False"
+                    )
+                self._stepped.add(i)
                 with torch.no_grad():
-                    assert p.grad is not None
                     self._step(i, p, p.grad)
                 p.grad = None
             return hook

@@ -56,6 +56,7 @@ class Digits(fedmq.Task):
 
     Options = DigitsOptions
     objective = fedmq.Objective("server.accuracy", "max")
+    lean_memory = True  # an MLP or a CNN: one gradient per parameter, no views kept
     options: DigitsOptions
 
     def build_model(self) -> nn.Module:

@@ -78,12 +78,12 @@ class JobContext:
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         """The trained model's tensors for its update, which the bus may still be sending (a publish
-        that timed out goes on) when the next task trains. On the host, the model's own, lent: its next
-        `load` gives the model fresh ones (a copy would hold a large model twice); from a device,
-        copied to the host."""
+        that timed out goes on) when the next task trains. On the host, when the Task promises nothing
+        else keeps views of them (Task.lean_memory), the model's own, lent: its next `load` gives the
+        model fresh ones (a copy would hold a large model twice); else copied to the host."""
         self.model.zero_grad(set_to_none=True)  # a model's worth of memory no one reads again
         state = self.model.state_dict()
-        if all(t.device.type == "cpu" for t in state.values()):
+        if self.runtime.task.lean_memory and all(t.device.type == "cpu" for t in state.values()):
             self.lent = True
             return {k: v.detach() for k, v in state.items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
@@ -287,11 +287,16 @@ class Work:
                 continue
             ready.append((i, data, self._context(job, task, weights, {})))
         limit = self.group_limit(job)
+        trained_alone = False  # the model then holds the last client's weights, not the global model
         for at in range(0, len(ready), limit):
             chunk = ready[at:at + limit]
             began = time.perf_counter()
+            if trained_alone:
+                job.load(weights, first.round, first.client)
+                trained_alone = False
             trained = job.runtime.train_group(job.model, [d for _, d, _ in chunk], [c for _, _, c in chunk])
             if trained is None:  # one at a time, as `train` does
+                trained_alone = True
                 log.info("tasks_not_fused", count=len(chunk))
                 for i, data, ctx in chunk:
                     try:

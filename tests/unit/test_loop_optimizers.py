@@ -82,3 +82,46 @@ def test_stepping_in_the_backward_pass_takes_the_same_steps_holding_one_gradient
     assert held == [1] * (len(params) * 6)
     nn.functional.cross_entropy(early(torch.randn(2, 5)), torch.tensor([0, 1])).backward()
     assert all(p.grad is not None for p in params), "closed: the hooks are gone"
+
+
+def test_a_second_gradient_in_one_backward_pass_fails_rather_than_step_twice() -> None:
+    model = nn.Linear(3, 2)
+    plain = copy.deepcopy(model)
+    ours, theirs = Sgd(model.parameters(), 0.1, 0.0, 0.0), Sgd(plain.parameters(), 0.1, 0.0, 0.0)
+    x = torch.ones(4, 3)
+    with ours.in_backward():
+        ours.zero_grad()
+        loss = model(x).pow(2).sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="second gradient in one backward pass"):
+            loss.backward()  # as a backward() of the Task's own, or reentrant checkpointing, would
+        ours.zero_grad()  # the next step starts afresh
+        model(x).pow(2).sum().backward()
+    for _ in range(2):  # two steps, never three
+        theirs.zero_grad()
+        plain(x).pow(2).sum().backward()
+        theirs.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+
+
+class _NoGradForWeight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w.detach().sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def test_a_parameter_a_custom_backward_gives_no_gradient_is_left_alone() -> None:
+    w = nn.Parameter(torch.ones(3))
+    x = torch.ones(2, requires_grad=True)
+    ours = Sgd([w], 0.1, 0.0, 0.0)
+    fired: list[torch.Tensor | None] = []
+    w.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad))
+    with ours.in_backward():
+        ours.zero_grad()
+        _NoGradForWeight.apply(x, w).sum().backward()
+    assert fired == [None], "torch calls the hook all the same"
+    assert torch.equal(w, torch.ones(3))

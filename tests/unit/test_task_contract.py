@@ -317,13 +317,17 @@ def test_train_always_gets_a_model_in_training_mode_and_evaluate_one_in_eval_mod
     assert task.modes == [("train", True), ("evaluate", False), ("train", True)]
 
 
+class LeanLine(Line):
+    lean_memory = True
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_a_large_model_steps_in_the_backward_pass_with_the_same_bits(
     optimizer: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from fedmq.common.task import loop, optimizers
 
-    rt = runtime()
+    rt = runtime("tests.unit.test_task_contract:LeanLine")
     data = rt.load_data(1, None)
     anchor = {k: v.clone() for k, v in rt.build_model().state_dict().items()}
     used: list[bool] = []
@@ -350,3 +354,14 @@ def test_a_large_model_steps_in_the_backward_pass_with_the_same_bits(
     assert used == [True]
     assert early == plain
     assert all(torch.equal(plain_weights[k], early_weights[k]) for k in plain_weights)
+
+
+def test_a_task_that_does_not_promise_lean_memory_steps_after_the_backward_pass(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedmq.common.task import loop, optimizers
+
+    monkeypatch.setattr(loop, "STEP_IN_BACKWARD_BYTES", 0)  # every model counts as large
+    monkeypatch.setattr(optimizers._Steps, "in_backward", lambda self: pytest.fail("stepped in backward"))
+    rt = runtime()  # Line: lean_memory left False
+    assert rt.train(rt.build_model(), rt.load_data(0, None), train_ctx(rt)).num_examples == 8
