@@ -177,13 +177,14 @@ class RabbitBus(Bus):
             super().publish_all(messages)  # a blob goes on its own
             return
         props = self._props(delivery_mode=2)
+        routed = [(topology.exchange_for(queue), queue, body) for queue, body in messages]
 
         def send() -> None:
-            for queue, _ in messages:
-                if topology.exchange_for(queue) == topology.SITES:
+            for exchange, queue, _ in routed:
+                if exchange == topology.SITES:
                     self._ensure_site_queue(queue)
-            self._batches.publish([(topology.exchange_for(q), q, body) for q, body in messages], props)
-            for _, body in messages:
+            self._batches.publish(routed, props)
+            for _, _, body in routed:
                 self._count_sent(len(body))
 
         self._link.run_on_loop(send)

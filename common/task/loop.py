@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fedmq.common.heap import LARGE_MODEL_BYTES
 from fedmq.common.strategy.contract import PROXIMAL_MU
 from fedmq.common.task.batches import Source, batch_size_of, source, to_device
 from fedmq.common.task.contract import EvalContext, EvalResult, TrainContext, TrainResult
 from fedmq.common.task.dpsgd import PrivateGradients, epsilon_spent
 from fedmq.common.task.functional import split_loss
-from fedmq.common.task.optimizers import Adam, Sgd, make_optimizer
+from fedmq.common.task.optimizers import make_optimizer
 from fedmq.common.task.scaffold import Controls
 
 if TYPE_CHECKING:
@@ -34,11 +35,11 @@ if TYPE_CHECKING:
 
 __all__ = ["PROXIMAL_MU", "evaluate_with_loss", "train_with_loss"]
 
-# From this size of parameters on, each steps in the backward pass (optimizers.in_backward) when the
-# Task allows it (Task.lean_memory): the
-# learner's peak is then the model and one layer's gradient, not the model twice. Below it, a hook
-# per parameter per step would cost more than the memory it saves. The same bits either way.
-STEP_IN_BACKWARD_BYTES = 64 * 1024 * 1024
+# From this size of parameters on (heap.py's large model), each steps in the backward pass
+# (optimizers.in_backward) when the Task allows it (Task.lean_memory): the learner's peak is then the
+# model and one layer's gradient, not the model twice. Below it, a hook per parameter per step would
+# cost more than the memory it saves. The same bits either way.
+STEP_IN_BACKWARD_BYTES = LARGE_MODEL_BYTES
 
 
 def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) -> TrainResult:
@@ -51,42 +52,31 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
     anchors = _anchors(model, ctx.global_weights, ctx.device) if mu > 0 else []
     controls = Controls.for_round(model, ctx)
     private = _private(task, model, src, ctx)
-    # A large model of a Task that promises it is safe (Task.lean_memory) steps each parameter during
-    # the backward pass: its gradients are never all held.
     early = (private is None and controls is None and task.lean_memory
              and _parameter_bytes(model) >= STEP_IN_BACKWARD_BYTES)
-    with optimizer.in_backward() if early else contextlib.nullcontext():
-        return _epochs(task, model, src, ctx, optimizer, anchors, mu, controls, private)
-
-
-def _epochs(
-    task: Task, model: nn.Module, src: Source, ctx: TrainContext, optimizer: Sgd | Adam,
-    anchors: list[tuple[torch.Tensor, torch.Tensor]], mu: float, controls: Controls | None,
-    private: PrivateGradients | None,
-) -> TrainResult:
-    settings = ctx.train
     steps, sums, seen = 0, _Sums(ctx.device), 0
-    for _ in range(settings.epochs):
-        sums, seen = _Sums(ctx.device), 0
-        for batch in src.batches(settings.batch_size, ctx.generator):
-            batch = to_device(batch, ctx.device)
-            size = batch_size_of(batch)
-            optimizer.zero_grad(set_to_none=True)
-            if private is not None:  # each example's gradient clipped, their sum noised
-                loss, metrics = private.backward(batch)
-                _add_proximal(anchors, mu)
-            else:
-                loss, metrics = split_loss(task.loss(model, batch))  # type: ignore[attr-defined]
-                total = loss + mu / 2 * sum((p - a).pow(2).sum() for p, a in anchors) if anchors else loss
-                total.backward()
-            if controls is not None:
-                controls.correct()
-            optimizer.step()
-            sums.add(loss, metrics, size)
-            seen += size
-            steps += 1
-            if settings.max_steps is not None and steps >= settings.max_steps:
-                return _result(seen, sums, controls, _spent(src, ctx, steps))
+    with optimizer.in_backward() if early else contextlib.nullcontext():
+        for _ in range(settings.epochs):
+            sums, seen = _Sums(ctx.device), 0
+            for batch in src.batches(settings.batch_size, ctx.generator):
+                batch = to_device(batch, ctx.device)
+                size = batch_size_of(batch)
+                optimizer.zero_grad(set_to_none=True)
+                if private is not None:  # each example's gradient clipped, their sum noised
+                    loss, metrics = private.backward(batch)
+                    _add_proximal(anchors, mu)
+                else:
+                    loss, metrics = split_loss(task.loss(model, batch))  # type: ignore[attr-defined]
+                    total = loss + mu / 2 * sum((p - a).pow(2).sum() for p, a in anchors) if anchors else loss
+                    total.backward()
+                if controls is not None:
+                    controls.correct()
+                optimizer.step()
+                sums.add(loss, metrics, size)
+                seen += size
+                steps += 1
+                if settings.max_steps is not None and steps >= settings.max_steps:
+                    return _result(seen, sums, controls, _spent(src, ctx, steps))
     return _result(seen, sums, controls, _spent(src, ctx, steps))
 
 

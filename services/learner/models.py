@@ -102,4 +102,3 @@ def _young(folder: Path) -> bool:
         return time.time() - folder.stat().st_mtime < ORPHAN_AGE_S
     except OSError:
         return True
-
