@@ -3,6 +3,7 @@
     write ─▶ .<name>.<pid>.tmp ─▶ fsync ─▶ rename over <name> ─▶ fsync the folder
               ✗ anywhere: the temp file is removed, the old <name> is untouched,
                           and StateUnwritable names the path and errno
+    stage many ─▶ their temp files ─▶ commit: fsync each, rename each, fsync each folder once
 
 Readers only ever open final names, so a half-written file (a crash mid-write, a full disk)
 is never picked up; `remove_temps` sweeps what a crash left. With `sync=False` (FEDMQ_FSYNC=false,
@@ -77,6 +78,37 @@ def _replace(path: Path, produce: Callable[[Path], object], sync: bool) -> None:
             raise
         if sync:
             fsync_dir(path.parent)
+
+
+def stage(path: Path, data: bytes) -> Path:
+    """Write `data` to `path`'s temporary name, neither fsynced nor in place: `commit` makes it
+    `path`, together with others (a group commit); the temporary file it returns is never read."""
+    tmp = temp_path(path)
+    with writing(path):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return tmp
+
+
+def commit(staged: list[tuple[Path, Path]], sync: bool = True) -> None:
+    """Make each (temporary, final) pair of `stage` its final file, durably: every file fsynced,
+    then renamed, then each folder fsynced once. A failure leaves the pairs not yet renamed as
+    they were (the caller removes them) and raises StateUnwritable."""
+    if sync:
+        for tmp, final in staged:
+            with writing(final), open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+    for tmp, final in staged:
+        with writing(final):
+            os.replace(tmp, final)
+    if sync:
+        for folder in dict.fromkeys(final.parent for _, final in staged):
+            with writing(folder):
+                fsync_dir(folder)
 
 
 def move_into(src: Path, dest: Path, sync: bool = True) -> None:

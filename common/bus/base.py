@@ -124,6 +124,12 @@ class Bus(ABC):
     def call_soon(self, callback: Callable[[], None]) -> None:
         """Run `callback` on the dispatch thread as soon as it is free. Thread-safe."""
 
+    def call_when_idle(self, callback: Callable[[], None]) -> None:
+        """On the dispatch thread (a handler): run `callback` there once the deliveries that have
+        already arrived are handled, so that work they share is done once for all of them (a group
+        commit). Deliveries held back by prefetch are not waited for."""
+        self.call_soon(callback)
+
     def call_soon_from_signal(self, callback: Callable[[], None]) -> None:
         """As call_soon, safe in a signal handler: queued only (the loop looks within a second)."""
         self.call_soon(callback)

@@ -6,6 +6,7 @@ with `add_callback_threadsafe`, the one thread-safe pika call (invariant 8).
 
     any thread ──call_soon──▶ outbox ──add_callback_threadsafe (wake)──▶ loop thread
     loop: drain outbox ─▶ fire due timers ─▶ process_data_events (≤ 1 s) ─▶ again
+          when-idle callbacks waiting: poll without waiting until no delivery came, then run them
           connection lost ─▶ on_lost ─▶ backoff (doubling, capped) ─▶ connect ─▶ on_open
 
 With several broker addresses (a cluster's nodes), `connect` tries them in turn from the
@@ -53,6 +54,8 @@ PIKA_ERRORS = (
     pika.exceptions.ChannelWrongStateError,
 )
 CONNECTION_ERRORS = (*PIKA_ERRORS, ConnectionError)
+
+IDLE_POLLS = 16  # polls for more deliveries before call_when_idle's callbacks run anyway
 
 
 class _LoopTimer(Timer):
@@ -116,6 +119,8 @@ class BrokerConnection:
         self._on_lost = on_lost  # the connection is about to be dropped
         self._outbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._timers: list[tuple[float, int, _LoopTimer, Callable[[], None]]] = []
+        self._idle: list[Callable[[], None]] = []  # call_when_idle's, run once deliveries stop coming
+        self.delivered = 0  # deliveries handed to consumers (consumers.py counts them)
         self._seq = itertools.count()
         self._thread: int | None = None
         self._waiting: set[Future[Any]] = set()  # run_on_loop calls not yet answered
@@ -241,7 +246,28 @@ class BrokerConnection:
             wait = self._fire_due_timers()
             if self.is_lost():  # closed under a callback that caught the error (pika can't say so)
                 raise ConnectionError(f"bus {self.name}: connection closed")
+            if self._idle:
+                self._when_idle()
+                continue
             self.conn.process_data_events(time_limit=min(wait, 1.0) if wait is not None else 1.0)
+
+    def _when_idle(self) -> None:
+        """Take in what has arrived, without waiting, until no delivery comes (at most IDLE_POLLS
+        times: a stream of other deliveries must not starve them), then run the idle callbacks."""
+        assert self.conn is not None
+        for _ in range(IDLE_POLLS):
+            seen = self.delivered
+            self.conn.process_data_events(time_limit=0)
+            if self.delivered == seen:
+                break
+        callbacks, self._idle = self._idle, []
+        for callback in callbacks:
+            self._guarded(callback, "callback_crashed")
+
+    def call_when_idle(self, callback: Callable[[], None]) -> None:
+        """On the loop thread: run `callback` once the deliveries that have arrived are handled."""
+        assert self.on_loop(), "call_when_idle is for the loop thread (a handler)"
+        self._idle.append(callback)
 
     def _pause(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

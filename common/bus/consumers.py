@@ -146,6 +146,7 @@ class Consumers:
 
     def _on_message(self, consumer: _Consumer, method: Any, props: Any, body: bytes) -> None:
         self._on_bytes(len(body))
+        self._link.delivered += 1
         headers = dict(props.headers or {})
         delivery = RabbitDelivery(
             body=body,

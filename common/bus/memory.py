@@ -220,6 +220,7 @@ class MemoryBus(Bus):
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._timers: list[tuple[float, int, _MemoryTimer, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
+        self._idle: list[Callable[[], None]] = []  # call_when_idle's, run when the inbox is empty
         self._running = False
         self._stopped = threading.Event()
 
@@ -277,11 +278,19 @@ class MemoryBus(Bus):
     def call_soon(self, callback: Callable[[], None]) -> None:
         self._inbox.put(callback)
 
+    def call_when_idle(self, callback: Callable[[], None]) -> None:
+        self._idle.append(callback)  # on the dispatch thread, which alone reads the list
+
     def run(self) -> None:
         self._running = True
         try:
             while self._running:
                 timeout = self._fire_due_timers()
+                if self._idle and self._inbox.empty():
+                    callbacks, self._idle = self._idle, []
+                    for callback in callbacks:
+                        _guarded(callback)
+                    continue
                 try:
                     item = self._inbox.get(timeout=timeout)
                 except queue.Empty:

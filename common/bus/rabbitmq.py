@@ -55,6 +55,7 @@ class RabbitBus(Bus):
             commit_bytes=settings.blob_commit_bytes,
         )
         self._batches = BatchPublisher(lambda: self._link.conn)
+        self._events: BlockingChannel | None = None  # publish_event's channel, unconfirmed
         self._consumers = Consumers(
             self._link, self._blobs, frame_bytes=settings.frame_bytes,
             dead_body_bytes=settings.dead_letter_body_bytes,
@@ -107,6 +108,9 @@ class RabbitBus(Bus):
     def call_soon_from_signal(self, callback: Callable[[], None]) -> None:
         self._link.call_soon_quietly(callback)
 
+    def call_when_idle(self, callback: Callable[[], None]) -> None:
+        self._link.call_when_idle(callback)
+
     def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
         return self._link.call_later(delay, callback)
 
@@ -133,6 +137,7 @@ class RabbitBus(Bus):
         self._blobs.forget()
         self._writer.forget()
         self._batches.forget()
+        self._events = None
 
     # -- consuming ------------------------------------------------------------
 
@@ -201,8 +206,26 @@ class RabbitBus(Bus):
         self._sites_bound.add(queue)
 
     def publish_event(self, topic: str, body: bytes) -> None:
+        """On a channel without confirms: an event is best effort, so nothing waits for the broker
+        (the confirmed channel would wait about a millisecond for each)."""
         props = self._props(delivery_mode=1)
-        self._link.run_on_loop(lambda: self._send(topology.EVENTS, topic, body, props, mandatory=False))
+
+        def send() -> None:
+            if len(body) > self.settings.frame_bytes:  # as a blob, confirmed like any other
+                self._send(topology.EVENTS, topic, body, props, mandatory=False)
+                return
+            self._event_channel().basic_publish(topology.EVENTS, topic, body, props)
+            self._count_sent(len(body))
+
+        self._link.run_on_loop(send)
+
+    def _event_channel(self) -> BlockingChannel:
+        if self._events is None or not self._events.is_open:
+            conn = self._link.conn
+            if conn is None:
+                raise pika.exceptions.ChannelWrongStateError("not connected")
+            self._events = conn.channel()
+        return self._events
 
     def _props(
         self, *, delivery_mode: int, reply_to: str | None = None, correlation_id: str | None = None,

@@ -3,7 +3,7 @@
     fedmq.aggregator ─▶ on_message: decode, then by type
         JobCreate     create_job     ─▶ RoundClosed (round 0) ─▶ scheduler
         RoundOpen     open_round     ─▶ UpdateAccepted for updates that came before it
-        ClientUpdate  accept_update  ─▶ UpdateAccepted ─▶ scheduler (or kept until its RoundOpen)
+        ClientUpdate  accept_update  ─▶ UpdateAccepted(s) ─▶ scheduler (or kept until its RoundOpen)
         GroupUpdate   accept_group   ─▶ UpdatesAccepted: each member as if a ClientUpdate
         RoundClose    close_round    ─▶ RoundClosed ─▶ scheduler
         each only from its senders' broker users (common/senders.py), else rejected "sender"
@@ -11,7 +11,11 @@
 
 Ack policy: every message on fedmq.aggregator is acked after its effect is on
 disk and its reply published; an update that came before its round's RoundOpen
-is acked once on disk and announced when the round opens. A message that fails
+is acked once on disk and announced when the round opens. Updates that arrive
+together (prefetch PREFETCH) are a group commit: each is checked and written as it
+comes, then, once no more have arrived (Bus.call_when_idle) or before any other
+message is handled, all are made durable at once, announced in one message per
+round (UpdatesAccepted) and acked. A message that fails
 decoding or validation is rejected (dead-lettered) with the reason; a duplicate
 update is acked with no effect. User code that raises (building, loading data,
 evaluating) fails the job: a JobFailed naming phase, type and message goes to
@@ -25,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+from collections import deque
 from pathlib import Path
 from typing import Literal
 
@@ -74,6 +79,7 @@ log = structlog.get_logger("fedmq.aggregator")
 DDP_CHECKPOINTS = "ddp_checkpoints"  # a DDP job's stored checkpoints: {step or "final": key}
 Admitted = Literal["new", "early", "duplicate"]  # how an update that passed its checks is kept
 ACCEPTED_PER_MESSAGE = 1000  # about 300 bytes each: far under the scheduler's frame
+PREFETCH = 8  # updates that may come together, to be stored and announced together (group commit)
 MEASURE_EVERY = 16  # rounds between walks of a job's folder for its disk quota (limits.DiskQuota)
 
 
@@ -90,6 +96,10 @@ class AggregatorService:
         self.senders = settings.role_users
         self.models = ModelServer(bus, self.jobs, self.senders, settings.users_of_sites, ddp_root=self.root)
         self.retry = StateRetry(bus, self.metrics, settings)
+        # Updates staged and not yet settled: their job, delivery, announcement, and whether new.
+        self._pending: list[tuple[AggJob, Delivery, UpdateAccepted, bool]] = []
+        self._stalled = False  # a failed state write waits for its retry
+        self._backlog: deque[Delivery] = deque()  # what waits behind it, in order
 
     def start(self) -> None:
         # Updates bigger than a frame are received straight into files: memory holds one chunk.
@@ -110,26 +120,35 @@ class AggregatorService:
                 continue
             self.jobs[job.job_id] = job
             log.info("job_resumed", job=job.job_id, round=job.round, open_round=job.open_round)
-        self.bus.consume(topology.AGGREGATOR, self.on_message, prefetch=1, spool=self.root / "spool")
+        self.bus.consume(topology.AGGREGATOR, self.on_message, prefetch=PREFETCH, spool=self.root / "spool")
         self.bus.consume(topology.MODEL, self.models.on_model_get, prefetch=4)
 
     # -- dispatch -------------------------------------------------------------
 
     def on_message(self, delivery: Delivery) -> None:
+        if self._stalled:  # a state write waits for its retry: the queue waits behind it, in order
+            self._backlog.append(delivery)
+            return
+        self._process(delivery)
+
+    def _process(self, delivery: Delivery) -> None:
         try:
             msg = self._decode(delivery)
         except DecodeError as exc:
             self._reject(delivery, "decode", str(exc))
             return
+        if not isinstance(msg, ClientUpdate) and not self._commit(then=delivery):
+            return  # the updates before it are stored and announced first: they wait, and so does it
         try:
             with structlog.contextvars.bound_contextvars(
                 job=msg.job_id, round=getattr(msg, "round", None), client=getattr(msg, "client", None)
             ):
                 check_sender(msg.type, delivery.user_id, self.senders)  # type: ignore[attr-defined]
-                self._handle(msg, delivery)
+                if self._handle(msg, delivery) == "deferred":
+                    return
         except StateUnwritable as exc:
             # Not the message's fault: keep it unacked (the queue waits) and handle it again later.
-            self.retry.later(exc, functools.partial(self.on_message, delivery))
+            self._stall(exc, [delivery])
             return
         except UserCodeError as exc:
             self._user_code_failed(msg.job_id, exc, getattr(msg, "round", 0))
@@ -145,6 +164,61 @@ class AggregatorService:
         self.retry.succeeded()
         delivery.ack()
 
+    def _stall(self, exc: StateUnwritable, deliveries: list[Delivery]) -> None:
+        """A state write failed: `deliveries`, then every later one, wait unacked for the retry."""
+        if not self._stalled:
+            self.retry.later(exc, self._resume)
+        self._stalled = True
+        self._backlog.extendleft(reversed(deliveries))
+
+    def _resume(self) -> None:
+        """After the backoff: the waiting deliveries again, in order, until one stalls again."""
+        self._stalled = False
+        while self._backlog and not self._stalled:
+            self._process(self._backlog.popleft())
+
+    # -- the group commit -------------------------------------------------------
+
+    def _defer(self, job: AggJob, delivery: Delivery, reply: UpdateAccepted, new: bool) -> None:
+        """Settle an update with those that came with it: stored together, announced in one
+        message per round, acked together, once the deliveries that have arrived are handled."""
+        if not self._pending:
+            self.bus.call_when_idle(self._commit_now)
+        self._pending.append((job, delivery, reply, new))
+
+    def _commit_now(self) -> None:
+        self._commit()
+
+    def _commit(self, then: Delivery | None = None) -> bool:
+        """Store, announce and ack the deferred updates. False if storing failed: then they, and
+        `then` after them, wait unacked to be handled again after a backoff (their files deleted,
+        the job's disk measured again)."""
+        if not self._pending:
+            return True
+        pending, self._pending = self._pending, []
+        jobs = list({id(job): job for job, _, _, _ in pending}.values())
+        try:
+            for job in jobs:
+                job.store.commit_staged()
+        except StateUnwritable as exc:
+            for job in jobs:
+                self._disk(job).measure()
+            self._stall(exc, [delivery for _, delivery, _, _ in pending] + ([then] if then else []))
+            return False
+        self.metrics.updates_accepted.inc(sum(new for _, _, _, new in pending))
+        by_round: dict[tuple[str, int], list[UpdateAccepted]] = {}
+        for _, _, reply, _ in pending:
+            by_round.setdefault((reply.job_id, reply.round), []).append(reply)
+        self.bus.publish_all([
+            (topology.SCHEDULER, to_wire(replies[0] if len(replies) == 1 else
+                                         UpdatesAccepted(job_id=job_id, round=rnd, updates=replies)))
+            for (job_id, rnd), replies in by_round.items()
+        ])
+        self.retry.succeeded()
+        for _, delivery, _, _ in pending:
+            delivery.ack()
+        return True
+
     def _decode(self, delivery: Delivery) -> Message:
         """The message, read from its spool file when it was too large for memory."""
         limit = self.settings.max_message_bytes
@@ -156,21 +230,22 @@ class AggregatorService:
         log.warning("message_rejected", reason=reason, detail=detail[:500])
         delivery.reject(f"{reason}: {detail}")
 
-    def _handle(self, msg: Message, delivery: Delivery) -> None:
+    def _handle(self, msg: Message, delivery: Delivery) -> Literal["deferred"] | None:
+        """Handle a message; "deferred": its delivery is settled later (accept_update)."""
         job = self.jobs.get(msg.job_id)
         if job is not None and (job.failed is not None or job.stopped is not None):
             log.info("ignored_failed_job", type=msg.type)  # type: ignore[attr-defined]
             if isinstance(msg, JobCreate | RoundClose):
                 reason = job.failed.line() if job.failed is not None else str(job.stopped)
                 self._publish(JobFailed(job_id=job.job_id, reason=reason, error=job.failed))
-            return
+            return None
         match msg:
             case JobCreate():
                 self.create_job(msg)
             case RoundOpen():
                 self.open_round(msg)
             case ClientUpdate():
-                self.accept_update(msg, delivery)
+                return self.accept_update(msg, delivery)
             case GroupUpdate():
                 self.accept_group(msg, delivery)
             case RoundClose():
@@ -179,6 +254,7 @@ class AggregatorService:
                 self.store_ddp_model(msg)
             case _:
                 raise ValidationError("unexpected_type", msg.type)  # type: ignore[attr-defined]
+        return None
 
     def store_ddp_model(self, msg: DdpModel) -> None:
         """A DDP job's checkpoint or final model from its rank 0: kept and served like a round's.
@@ -284,18 +360,32 @@ class AggregatorService:
             ))
         log.info("round_opened", clients=len(msg.clients), stored=len(job.store.stored_clients(msg.round)))
 
-    def accept_update(self, msg: ClientUpdate, delivery: Delivery) -> None:
+    def accept_update(self, msg: ClientUpdate, delivery: Delivery) -> Literal["deferred"] | None:
         """Store a sound update before saying so; a redelivered one is only announced again.
 
-        An update for the round after the last closed one, before its RoundOpen arrives (broker
-        flow control can order them so), is checked and kept on disk; the RoundOpen announces it.
+        Updates that come together are stored, announced and acked together ("deferred": see
+        _commit). An update for the round after the last closed one, before its RoundOpen arrives
+        (broker flow control can order them so), is checked and kept on disk; the RoundOpen
+        announces it. So is a large one, received into a spool file, on its own.
         """
         job = self._job(msg.job_id)
         kind = self._admit(job, msg, delivery.user_id)
         size = _size(delivery)
+        if kind != "early" and delivery.body_path is None:
+            if kind == "new":
+                self._disk(job).need(size, f"the update of client {msg.client}")
+                job.store.stage_update(msg.round, msg.client, delivery.body)
+                log.info("update_accepted", client=msg.client, examples=msg.num_examples, learner=msg.learner)
+            else:
+                log.info("update_duplicate", client=msg.client)
+            self._defer(job, delivery, self._accepted(msg, size if kind == "new" else 0), kind == "new")
+            return "deferred"
+        if not self._commit(then=delivery):
+            return "deferred"  # it waits behind the updates before it
         self._keep(job, msg, kind, delivery.body_path or delivery.body, size)
         if kind != "early":
             self._publish(self._accepted(msg, size if kind == "new" else 0))
+        return None
 
     def accept_group(self, msg: GroupUpdate, delivery: Delivery) -> None:
         """A fused group's updates (common/groups.py): each member checked as if it had come alone,

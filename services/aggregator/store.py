@@ -6,7 +6,8 @@
         open.json, closed.json         the open round's clients; the last RoundClosed sent
         checkpoints/<key>.safetensors  key = <weights digest>-<state digest>: the global weights
                                        and the strategy's state (older jobs: <weights digest>)
-        updates/r<round>/c<client>.msg raw ClientUpdate bodies, until the round closes
+        updates/r<round>/c<client>.msg raw ClientUpdate bodies, until the round closes (staged as
+                                       .c<client>.msg.<pid>.tmp until their group commit)
         updates/r<round>/g<seq>.msg    raw GroupUpdate bodies: a fused group's updates (grouped.py)
         clients/c<client>/r<round>.safetensors   the strategy's per-client state (common/strategy/clients)
         residuals/c<client>/r<round>.safetensors topk's per-client residual as it travelled, the same way
@@ -35,6 +36,7 @@ import torch
 
 from fedmq.common import codec, statefiles
 from fedmq.common.checkpoint import load_state, save_state
+from fedmq.common.errors import StateUnwritable
 from fedmq.services.aggregator.grouped import GROUP_PREFIX, GroupFile, GroupRow, group_files
 
 DIGEST = re.compile(r"[0-9a-f]{64}")  # codec.state_digest's form: what a learner may ask for
@@ -56,6 +58,7 @@ class JobStore:
         self._rounds: dict[int, str] | None = None  # rounds.json, as this store last read or wrote it
         self._groups: dict[int, dict[int, tuple[GroupFile, int]]] = {}  # round -> grouped updates' index
         self._group_seq: dict[int, int] = {}  # round -> its last group file's number
+        self._staged: dict[tuple[int, int], Path] = {}  # (round, client) -> its staged temporary file
 
     # -- spec and round index -------------------------------------------------
 
@@ -149,11 +152,31 @@ class JobStore:
         return self._updates(server_round) / f"c{client}.msg"
 
     def has_update(self, server_round: int, client: int) -> bool:
-        return client in self._grouped(server_round) or self._update_path(server_round, client).exists()
+        """Stored, or staged to be (a redelivery meanwhile is a duplicate)."""
+        return ((server_round, client) in self._staged or client in self._grouped(server_round)
+                or self._update_path(server_round, client).exists())
 
     def put_update(self, server_round: int, client: int, body: bytes | Path) -> None:
         """Keep an update's body (moving it if it is a file); once it exists it is stored."""
         _put(self._update_path(server_round, client), body, self.sync)  # a spool file was fsynced on receipt
+
+    def stage_update(self, server_round: int, client: int, body: bytes) -> None:
+        """Write an update's body without storing it yet: `commit_staged` stores every staged one
+        at once (the aggregator's group commit). Until then it is neither read nor listed."""
+        path = self._update_path(server_round, client)
+        self._staged[(server_round, client)] = statefiles.stage(path, body)
+
+    def commit_staged(self) -> None:
+        """Store the staged updates (fsynced, renamed into place, their folder fsynced once). A failure
+        raises StateUnwritable with none staged any more: those not stored are deleted."""
+        staged, self._staged = self._staged, {}
+        pairs = [(tmp, self._update_path(r, c)) for (r, c), tmp in staged.items()]
+        try:
+            statefiles.commit(pairs, self.sync)
+        except StateUnwritable:
+            for tmp, _ in pairs:
+                tmp.unlink(missing_ok=True)
+            raise
 
     def put_group(self, server_round: int, body: bytes | Path, members: list[int]) -> list[int]:
         """Keep a GroupUpdate's body once (grouped.py); the members not stored before become stored.

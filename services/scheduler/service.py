@@ -81,6 +81,8 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         self.grace_until = time.monotonic() + 1.5 * settings.liveness_s
         self.rows = JobRows(Path(settings.state_dir) / "scheduler" / "jobs.sqlite", settings.fsync)
         self.retry = StateRetry(bus, self.metrics, settings)
+        self._dirty: dict[str, SchedJob] = {}  # jobs changed by messages handled, not yet saved
+        self._unsaved: list[Delivery] = []  # those messages, acked once their jobs are saved
 
     def start(self) -> None:
         self.rows.open()
@@ -140,8 +142,6 @@ class SchedulerService(EvaluationLoop, DdpLoop):
                 return
             with structlog.contextvars.bound_contextvars(job=msg.job_id, round=getattr(msg, "round", None)):
                 self._handle(msg, delivery.user_id)
-            if msg.job_id in self.jobs:
-                self.rows.save(self.jobs[msg.job_id])  # durable before the ack
         except StateUnwritable as exc:
             # Handled again later (handlers are idempotent) and acked once its row is on disk.
             self.retry.later(exc, functools.partial(self.on_message, delivery))
@@ -151,8 +151,32 @@ class SchedulerService(EvaluationLoop, DdpLoop):
             log.warning("message_rejected", reason=reason, detail=str(exc)[:500])
             delivery.reject(str(exc) if isinstance(exc, ValidationError) else f"decode: {exc}")
             return
+        job = self.jobs.get(msg.job_id)
+        if job is not None:  # its row durable before the ack, saved once for what came with it
+            if not self._unsaved:
+                self.bus.call_when_idle(self._save_handled)
+            self._dirty[job.job_id] = job
+            self._unsaved.append(delivery)
+            return
         self.retry.succeeded()
         delivery.ack()
+
+    def _save_handled(self) -> None:
+        """The jobs the messages handled since the last save changed, each saved once, then those
+        messages acked (a group commit). A failed save is tried again after a backoff, the messages
+        unacked meanwhile (the queue waits: prefetch)."""
+        try:
+            while self._dirty:
+                job_id, job = next(iter(self._dirty.items()))
+                self.rows.save(job)
+                del self._dirty[job_id]
+        except StateUnwritable as exc:
+            self.retry.later(exc, self._save_handled)
+            return
+        self.retry.succeeded()
+        deliveries, self._unsaved = self._unsaved, []
+        for delivery in deliveries:
+            delivery.ack()
 
     def _count_update(self, job: SchedJob, msg: UpdateAccepted) -> None:
         """Count a client's stored update in its round, once."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -256,3 +257,39 @@ def test_timers_run_on_the_bus_thread(transport: Transport) -> None:
         cancelled.cancel()
         assert ran.get(timeout=WAIT) == "timers"
     assert ran.empty()
+
+
+def test_work_left_for_when_idle_runs_once_the_deliveries_that_came_are_handled(transport: Transport) -> None:
+    # The aggregator's group commit: each update is handled as it comes, and what they share (the
+    # fsync, the reply, the acks) is done once the deliveries that have arrived are all handled.
+    seen: list[str] = []
+    held: list[Delivery] = []
+    started, release, batches = threading.Event(), threading.Event(), queue.Queue[list[str]]()
+
+    def settle() -> None:
+        seen.append("idle")
+        batches.put(list(seen))
+        seen.clear()
+        for delivery in held:
+            delivery.ack()
+        held.clear()
+
+    def handle(delivery: Delivery) -> None:
+        if not held:
+            bus.call_when_idle(settle)
+        held.append(delivery)
+        seen.append(delivery.body.decode())
+        if delivery.body == b"m0":
+            started.set()
+            assert release.wait(WAIT)  # the others arrive meanwhile
+
+    with running(transport, "consumer") as bus, running(transport, "producer") as producer:
+        bus.consume("fedmq.tasks", handle, prefetch=8)
+        producer.publish("fedmq.tasks", b"m0")
+        assert started.wait(WAIT)
+        producer.publish_all([("fedmq.tasks", f"m{i}".encode()) for i in range(1, 5)])
+        time.sleep(0.5)  # long enough for the broker to push them to the consumer
+        release.set()
+        assert batches.get(timeout=WAIT) == ["m0", "m1", "m2", "m3", "m4", "idle"]
+        producer.publish("fedmq.tasks", b"m5")
+        assert batches.get(timeout=WAIT) == ["m5", "idle"]

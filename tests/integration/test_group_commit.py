@@ -1,0 +1,166 @@
+"""The aggregator's group commit: updates that arrive together are stored, announced and acked together.
+
+Each update is checked and written as it comes; once no more have arrived, all of them are made
+durable at once, announced in one UpdatesAccepted per round and acked. A store that fails leaves
+them unacked and the queue waiting behind them, in order, until the retry goes through.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedmq.common.bus import topology
+from fedmq.common.bus.base import Bus, Delivery
+from fedmq.common.messages import (
+    ClientUpdate,
+    JobCreate,
+    Message,
+    RoundClose,
+    RoundClosed,
+    RoundOpen,
+    UpdateAccepted,
+    UpdatesAccepted,
+    from_wire,
+    to_wire,
+)
+from fedmq.services.aggregator.service import AggregatorService
+from tests.conftest import small_job
+from tests.integration.conftest import Transport
+
+WAIT = 30.0
+CLIENTS = [0, 1, 2, 3, 4]
+
+
+class Cluster:
+    """An aggregator on its own bus, and a stand-in scheduler that publishes and records its replies."""
+
+    def __init__(self, transport: Transport) -> None:
+        settings = transport.settings.model_copy(update={"retry_initial_s": 0.05, "state_retry_max_s": 0.2})
+        self.aggregator = AggregatorService(settings, transport.connect("aggregator"))
+        self.scheduler = transport.connect("scheduler")
+        self.replies: queue.Queue[Message] = queue.Queue()
+        self.job_id = "group-commit"
+
+    def _record(self, delivery: Delivery) -> None:
+        self.replies.put(from_wire(delivery.body))
+        delivery.ack()
+
+    @contextmanager
+    def running(self) -> Iterator[Cluster]:
+        self.scheduler.consume(topology.SCHEDULER, self._record)
+        buses: list[Bus] = [self.aggregator.bus, self.scheduler]
+        threads = [threading.Thread(target=bus.run, daemon=True) for bus in buses]
+        self.aggregator.start()
+        for thread in threads:
+            thread.start()
+        try:
+            assert all(bus.wait_ready(WAIT) for bus in buses)
+            yield self
+        finally:
+            for bus in buses:
+                bus.stop()
+            for thread in threads:
+                thread.join(WAIT)
+
+    def send(self, *messages: Message) -> None:
+        self.scheduler.publish_all([(topology.AGGREGATOR, to_wire(m)) for m in messages])
+
+    def reply(self) -> Message:
+        return self.replies.get(timeout=WAIT)
+
+    def open_round_one(self) -> tuple[str, dict[str, torch.Tensor]]:
+        """The job created and round 1 open: the global model's digest and weights."""
+        self.send(JobCreate(job_id=self.job_id, spec=small_job().model_dump(mode="json")))
+        created = self.reply()
+        assert isinstance(created, RoundClosed) and created.round == 0, created
+        self.send(RoundOpen(job_id=self.job_id, round=1, clients=CLIENTS))
+        return created.model_digest, dict(self.aggregator.jobs[self.job_id].weights)
+
+    def updates(self, digest: str, weights: dict[str, torch.Tensor]) -> list[ClientUpdate]:
+        return [ClientUpdate(job_id=self.job_id, task_id=f"t{c}", round=1, client=c, base_digest=digest,
+                             num_examples=10, weights={k: v + c for k, v in weights.items()})
+                for c in CLIENTS]
+
+    def while_busy(self, then: Callable[[], None]) -> None:
+        """Run `then` while the aggregator's thread is held, then let it go on: what `then` sends
+        has all arrived when it looks at its deliveries again."""
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            held.set()
+            assert release.wait(WAIT)
+
+        self.aggregator.bus.call_soon(hold)
+        assert held.wait(WAIT)
+        then()
+        time.sleep(0.5)  # long enough for the broker to push them to the aggregator
+        release.set()
+
+    def stored(self) -> list[Path]:
+        return sorted((self.aggregator.root / self.job_id / "updates" / "r1").glob("c*.msg"))
+
+
+def announced(message: Message) -> list[int]:
+    if isinstance(message, UpdatesAccepted):
+        return [u.client for u in message.updates]
+    assert isinstance(message, UpdateAccepted), message
+    return [message.client]
+
+
+def test_updates_that_arrive_together_are_stored_then_announced_in_one_message(transport: Transport) -> None:
+    with Cluster(transport).running() as cluster:
+        digest, weights = cluster.open_round_one()
+        updates = cluster.updates(digest, weights)
+        cluster.while_busy(lambda: cluster.send(*updates))
+        together = cluster.reply()
+        assert isinstance(together, UpdatesAccepted), together
+        assert announced(together) == CLIENTS
+        assert [p.name for p in cluster.stored()] == [f"c{c}.msg" for c in CLIENTS]
+        # A redelivered update is a duplicate: announced again, stored once.
+        cluster.send(updates[2])
+        again = cluster.reply()
+        assert announced(again) == [2] and isinstance(again, UpdateAccepted) and again.bytes == 0
+        cluster.send(RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS))
+        closed = cluster.reply()
+        assert isinstance(closed, RoundClosed) and closed.clients == CLIENTS
+    assert transport.dead() == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to tell files apart")
+def test_a_group_that_cannot_be_stored_waits_with_what_came_after_it_until_it_can(
+    transport: Transport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = Cluster(transport)
+    updates_dir = cluster.aggregator.root / cluster.job_id / "updates"
+    failures: list[str] = []
+    real_replace = os.replace
+
+    def full_disk_once(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        if not failures and Path(dst).is_relative_to(updates_dir):
+            failures.append(str(dst))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        real_replace(src, dst)
+
+    with cluster.running():
+        digest, weights = cluster.open_round_one()
+        monkeypatch.setattr(os, "replace", full_disk_once)
+        close = RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS)
+        cluster.while_busy(lambda: cluster.send(*cluster.updates(digest, weights), close))
+        # The group's store failed: nothing was announced; its updates were handled again after
+        # the backoff, then the RoundClose that waited behind them.
+        together, closed = cluster.reply(), cluster.reply()
+        assert len(failures) == 1
+        assert announced(together) == CLIENTS
+        assert isinstance(closed, RoundClosed) and closed.clients == CLIENTS, closed
+    assert transport.dead() == []
+    assert not list(updates_dir.parent.rglob("*.tmp")), "no staged file is left behind"
