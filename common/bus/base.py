@@ -46,6 +46,11 @@ class Delivery(ABC):
     def requeue(self) -> None:
         """Give the message back for another consumer (shutdown mid-task). Thread-safe."""
 
+    def live(self) -> bool:
+        """Not settled, and still this consumer's: False once its connection is gone (the broker
+        gives it again, to whoever consumes next), so work kept for it later may be dropped."""
+        return True
+
 
 Handler = Callable[[Delivery], None]
 # What may be published: bytes, or an encoding still in its parts (a large message is sent from

@@ -2,7 +2,8 @@
 
     message ─▶ over the frame size, not a blob ───────────────────────▶ dead-letter "oversize"
             ─▶ a blob's envelope: read its chunks (size, order, digest) ─✗─▶ dead-letter "blob: ..."
-                                  spool file unwritable (disk full) ─▶ chunks back, read again later
+                                  spool file unwritable (disk full) ─▶ chunks back, read again later,
+                                                      the deliveries after it held until then
             ─▶ handler ─▶ ack       gone (and its blob queue deleted)
                        ─▶ reject    to fedmq.dead with the reason (a large body dropped), then acked
                        ─▶ requeue   its chunks back to the blob queue, then itself
@@ -15,6 +16,7 @@ on; one from a connection since lost has already been requeued by the broker.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,9 @@ class RabbitDelivery(Delivery):
     def requeue(self) -> None:
         self._consumers._settle(self, "requeue")
 
+    def live(self) -> bool:
+        return not self._settled and self._generation == self._consumers._link.generation
+
 
 @dataclass
 class _Consumer:
@@ -58,6 +63,8 @@ class _Consumer:
     handler: Handler
     prefetch: int
     spool: Path | None = None
+    # While a delivery waits for its spool retry: those that came after it, handed over after it.
+    held: deque[RabbitDelivery] | None = None
 
 
 class Consumers:
@@ -128,6 +135,7 @@ class Consumers:
 
     def _start_consumer(self, consumer: _Consumer) -> None:
         assert self._link.channel is not None
+        consumer.held = None  # a new connection: what was held is the broker's again
         if topology.is_site_queue(consumer.queue):  # a learner hosting a site: the scheduler binds it
             topology.declare_site_queue(self._link.channel, self._link.settings, consumer.queue, bind=False)
         self._link.channel.basic_qos(prefetch_count=consumer.prefetch)
@@ -166,6 +174,9 @@ class Consumers:
             log.warning("message_rejected", queue=consumer.queue, reason="oversize", bytes=len(body))
             delivery.reject(f"oversize: {len(body)} bytes over the {self._frame_bytes}-byte frame")
             return
+        if consumer.held is not None:  # one before it waits for its spool retry: in order, behind it
+            consumer.held.append(delivery)
+            return
         self._deliver(consumer, delivery)
 
     def _deliver(self, consumer: _Consumer, delivery: RabbitDelivery) -> None:
@@ -203,9 +214,23 @@ class Consumers:
         delivery._chunk_tags.clear()
         log.error("state_unwritable", path=str(exc.filename or consumer.spool), errno=exc.errno,
                   error=exc.strerror or str(exc), retry_in_s=round(self._spool_delay, 2))
-        self._link.call_later(self._spool_delay, lambda: self._deliver(consumer, delivery))
+        if consumer.held is None:
+            consumer.held = deque()
+        self._link.call_later(self._spool_delay, lambda: self._retry_spool(consumer, delivery))
         cap = max(self._link.settings.state_retry_max_s, self._link.settings.retry_initial_s)
         self._spool_delay = min(self._spool_delay * 2, cap)
+
+    def _retry_spool(self, consumer: _Consumer, delivery: RabbitDelivery) -> None:
+        """The delivery again, then those held behind it, in order, until one fails again."""
+        if not delivery.live():
+            return  # taken back with its connection (a new one has started the consumer afresh)
+        held, consumer.held = consumer.held or deque(), None
+        self._deliver(consumer, delivery)
+        while held:
+            if consumer.held is not None:  # it failed again: the rest stay behind it
+                consumer.held.extend(held)
+                return
+            self._deliver(consumer, held.popleft())
 
     def _settle(self, delivery: RabbitDelivery, outcome: str, reason: str = "") -> None:
         if not self._link.on_loop():

@@ -55,7 +55,7 @@ class _Consumer:
     bus: MemoryBus
     handler: Handler
     prefetch: int
-    unacked: set[MemoryDelivery] = field(default_factory=set)
+    unacked: dict[MemoryDelivery, None] = field(default_factory=dict)  # in delivery order
 
 
 @dataclass
@@ -123,7 +123,7 @@ class MemoryBroker:
                 _consumer=consumer,
                 _message=message,
             )
-            consumer.unacked.add(delivery)
+            consumer.unacked[delivery] = None
             consumer.bus.call_soon(functools.partial(consumer.bus._handle, consumer.handler, delivery))
 
     @staticmethod
@@ -140,7 +140,7 @@ class MemoryBroker:
             consumer = delivery._consumer
             if delivery not in consumer.unacked:
                 return  # already settled, or returned when its bus stopped
-            consumer.unacked.discard(delivery)
+            del consumer.unacked[delivery]
             if outcome == "reject":
                 self.dead_letters.append(DeadLetter(delivery.queue, delivery.body, reason))
                 if consumer.bus.on_dead_letter is not None:
@@ -168,7 +168,7 @@ class MemoryBroker:
                 mine = [c for c in q.consumers if c.bus is bus]
                 q.consumers = [c for c in q.consumers if c.bus is not bus]
                 for consumer in mine:
-                    for delivery in consumer.unacked:
+                    for delivery in reversed(consumer.unacked):  # back to the head, in their order
                         self._return(name, delivery._message)
                     consumer.unacked.clear()
                 self._dispatch(name)
@@ -188,6 +188,10 @@ class MemoryDelivery(Delivery):
 
     def requeue(self) -> None:
         self._broker._settle(self, "requeue")
+
+    def live(self) -> bool:
+        with self._broker._lock:
+            return self in self._consumer.unacked
 
 
 class _Waiter:
@@ -281,15 +285,17 @@ class MemoryBus(Bus):
     def call_when_idle(self, callback: Callable[[], None]) -> None:
         self._idle.append(callback)  # on the dispatch thread, which alone reads the list
 
+    def _run_idle(self) -> None:
+        while self._idle:
+            _guarded(self._idle.pop(0))
+
     def run(self) -> None:
         self._running = True
         try:
             while self._running:
                 timeout = self._fire_due_timers()
                 if self._idle and self._inbox.empty():
-                    callbacks, self._idle = self._idle, []
-                    for callback in callbacks:
-                        _guarded(callback)
+                    self._run_idle()
                     continue
                 try:
                     item = self._inbox.get(timeout=timeout)
@@ -299,6 +305,7 @@ class MemoryBus(Bus):
                     break
                 _guarded(item)
         finally:
+            self._run_idle()  # what was left for later (a group commit) still settles
             self._running = False
             self.broker._detach(self)
             self._stopped.set()

@@ -94,7 +94,8 @@ def close_round(
         "state_bytes": float(state_bytes),
     }
     examples = {r.client: r.num_examples for r in results} | job.examples  # a first count stays
-    job.store.save_json("examples", {str(c): n for c, n in sorted(examples.items())})
+    if examples != job.examples:  # written only when a client is new: most rounds write nothing
+        job.store.save_json("examples", {str(c): n for c, n in sorted(examples.items())})
     closed = commit(job, RoundClosed(
         job_id=job.job_id,
         round=server_round,

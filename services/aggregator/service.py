@@ -172,10 +172,18 @@ class AggregatorService:
         self._backlog.extendleft(reversed(deliveries))
 
     def _resume(self) -> None:
-        """After the backoff: the waiting deliveries again, in order, until one stalls again."""
+        """After the backoff: the waiting deliveries again, in order, until one stalls again. One
+        whose connection has gone since is dropped: the broker gives it again, behind the others."""
         self._stalled = False
         while self._backlog and not self._stalled:
-            self._process(self._backlog.popleft())
+            delivery = self._backlog.popleft()
+            if not delivery.live():
+                continue
+            try:
+                self._process(delivery)
+            except Exception as exc:  # as the bus does for a handler: dead-lettered, the rest go on
+                log.exception("handler_crashed", queue=delivery.queue)
+                delivery.reject(f"handler_error: {type(exc).__name__}")
 
     # -- the group commit -------------------------------------------------------
 
@@ -209,11 +217,19 @@ class AggregatorService:
         by_round: dict[tuple[str, int], list[UpdateAccepted]] = {}
         for _, _, reply, _ in pending:
             by_round.setdefault((reply.job_id, reply.round), []).append(reply)
-        self.bus.publish_all([
-            (topology.SCHEDULER, to_wire(replies[0] if len(replies) == 1 else
-                                         UpdatesAccepted(job_id=job_id, round=rnd, updates=replies)))
-            for (job_id, rnd), replies in by_round.items()
-        ])
+        try:
+            self.bus.publish_all([
+                (topology.SCHEDULER, to_wire(replies[0] if len(replies) == 1 else
+                                             UpdatesAccepted(job_id=job_id, round=rnd, updates=replies)))
+                for (job_id, rnd), replies in by_round.items()
+            ])
+        except Exception:
+            # Stored, not announced: given back, each comes again as a duplicate and is announced
+            # then (a lost connection has given them back already).
+            for delivery in [d for _, d, _, _ in pending] + ([then] if then else []):
+                if delivery.live():
+                    delivery.requeue()
+            raise
         self.retry.succeeded()
         for _, delivery, _, _ in pending:
             delivery.ack()
@@ -378,13 +394,15 @@ class AggregatorService:
                 log.info("update_accepted", client=msg.client, examples=msg.num_examples, learner=msg.learner)
             else:
                 log.info("update_duplicate", client=msg.client)
-            self._defer(job, delivery, self._accepted(msg, size if kind == "new" else 0), kind == "new")
+            # A duplicate says its size too: the scheduler counts a client's first announcement,
+            # and the first may be this one (a group whose store failed part-way, then retried).
+            self._defer(job, delivery, self._accepted(msg, size), kind == "new")
             return "deferred"
         if not self._commit(then=delivery):
             return "deferred"  # it waits behind the updates before it
         self._keep(job, msg, kind, delivery.body_path or delivery.body, size)
         if kind != "early":
-            self._publish(self._accepted(msg, size if kind == "new" else 0))
+            self._publish(self._accepted(msg, size))
         return None
 
     def accept_group(self, msg: GroupUpdate, delivery: Delivery) -> None:

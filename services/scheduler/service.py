@@ -173,6 +173,10 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         except StateUnwritable as exc:
             self.retry.later(exc, self._save_handled)
             return
+        except Exception:  # not the disk: logged, and tried again, so the acks are not stuck behind it
+            log.exception("job_save_crashed")
+            self.bus.call_later(self.settings.retry_initial_s, self._save_handled)
+            return
         self.retry.succeeded()
         deliveries, self._unsaved = self._unsaved, []
         for delivery in deliveries:

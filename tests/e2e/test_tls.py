@@ -111,7 +111,7 @@ def test_a_job_runs_over_amqps_with_verified_certificates_on_both_sides(tmp_path
     require_erlang_ssl()
     certs = make_certs(tmp_path / "certs")
     (tls_port,) = free_ports(1)
-    password = secrets.token_hex(16)  # a urlsafe token may start with "-", which rabbitmqctl takes for an option
+    password = secrets.token_hex(16)  # a urlsafe one may start with "-": rabbitmqctl takes it for an option
     password_file = tmp_path / "broker-password"
     password_file.write_text(password + "\n")
     password_file.chmod(0o600)

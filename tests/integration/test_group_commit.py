@@ -21,6 +21,8 @@ import torch
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
+from fedmq.common.bus.rabbitmq import RabbitBus
+from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import (
     ClientUpdate,
     JobCreate,
@@ -33,9 +35,11 @@ from fedmq.common.messages import (
     from_wire,
     to_wire,
 )
+from fedmq.common.settings import Settings
 from fedmq.services.aggregator.service import AggregatorService
 from tests.conftest import small_job
 from tests.integration.conftest import Transport
+from tests.rabbit import close_connections, fresh_vhost
 
 WAIT = 30.0
 CLIENTS = [0, 1, 2, 3, 4]
@@ -44,8 +48,9 @@ CLIENTS = [0, 1, 2, 3, 4]
 class Cluster:
     """An aggregator on its own bus, and a stand-in scheduler that publishes and records its replies."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, spec: JobSpec | None = None) -> None:
         settings = transport.settings.model_copy(update={"retry_initial_s": 0.05, "state_retry_max_s": 0.2})
+        self.spec = spec or small_job()
         self.aggregator = AggregatorService(settings, transport.connect("aggregator"))
         self.scheduler = transport.connect("scheduler")
         self.replies: queue.Queue[Message] = queue.Queue()
@@ -80,7 +85,7 @@ class Cluster:
 
     def open_round_one(self) -> tuple[str, dict[str, torch.Tensor]]:
         """The job created and round 1 open: the global model's digest and weights."""
-        self.send(JobCreate(job_id=self.job_id, spec=small_job().model_dump(mode="json")))
+        self.send(JobCreate(job_id=self.job_id, spec=self.spec.model_dump(mode="json")))
         created = self.reply()
         assert isinstance(created, RoundClosed) and created.round == 0, created
         self.send(RoundOpen(job_id=self.job_id, round=1, clients=CLIENTS))
@@ -129,7 +134,8 @@ def test_updates_that_arrive_together_are_stored_then_announced_in_one_message(t
         # A redelivered update is a duplicate: announced again, stored once.
         cluster.send(updates[2])
         again = cluster.reply()
-        assert announced(again) == [2] and isinstance(again, UpdateAccepted) and again.bytes == 0
+        assert announced(again) == [2] and isinstance(again, UpdateAccepted)
+        assert again.bytes == together.updates[2].bytes > 0  # its size, as the first time
         cluster.send(RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS))
         closed = cluster.reply()
         assert isinstance(closed, RoundClosed) and closed.clients == CLIENTS
@@ -164,3 +170,95 @@ def test_a_group_that_cannot_be_stored_waits_with_what_came_after_it_until_it_ca
         assert isinstance(closed, RoundClosed) and closed.clients == CLIENTS, closed
     assert transport.dead() == []
     assert not list(updates_dir.parent.rglob("*.tmp")), "no staged file is left behind"
+
+
+@contextmanager
+def on_rabbitmq(tmp_path: Path) -> Iterator[Transport]:
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path / "state", log_format="json",
+                            frame_bytes=64 * 1024)
+        yield Transport("rabbitmq", settings, lambda name: RabbitBus(settings, name), url=url)
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def replies_until_closed(cluster: Cluster) -> tuple[list[int], RoundClosed]:
+    """The clients announced before the round's RoundClosed, and it."""
+    clients: list[int] = []
+    while not isinstance(reply := cluster.reply(), RoundClosed):
+        clients += announced(reply)
+    return clients, reply
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to tell files apart")
+def test_what_waited_on_a_connection_since_lost_is_handled_once_as_the_broker_gives_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The group and the RoundClose behind it wait for a full disk; the connection drops; the broker
+    # gives them all again. Only the new copies may be handled: the old ones closing the round
+    # first would make the redelivered updates stale (dead-lettered, counted twice).
+    with on_rabbitmq(tmp_path) as transport:
+        cluster = Cluster(transport)
+        updates_dir = cluster.aggregator.root / cluster.job_id / "updates"
+        full, failures = threading.Event(), []
+        real_replace = os.replace
+
+        def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+            if full.is_set() and Path(dst).is_relative_to(updates_dir):
+                failures.append(str(dst))
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+            real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+        with cluster.running():
+            digest, weights = cluster.open_round_one()
+            full.set()
+            close = RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS)
+            cluster.while_busy(lambda: cluster.send(*cluster.updates(digest, weights), close))
+            wait_for(lambda: len(failures) >= 2)  # stalled, and its retry failed too
+            close_connections(transport.url)
+            wait_for(lambda: getattr(cluster.aggregator.bus, "reconnects", 0) > 0)
+            time.sleep(0.5)  # the broker gives the deliveries again; they wait behind the stall
+            full.clear()
+            clients, closed = replies_until_closed(cluster)
+            assert closed.clients == CLIENTS and sorted(set(clients)) == CLIENTS
+        assert transport.dead() == []
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to tell files apart")
+def test_a_large_update_whose_spool_write_failed_keeps_its_place_in_the_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Updates over the 64 KiB frame come in chunks, received into spool files. The first one's
+    # spool write fails once: it is read again after a backoff, and the update and RoundClose
+    # after it wait for it, so the round closes with both clients and nothing is dead-lettered.
+    with on_rabbitmq(tmp_path) as transport:
+        cluster = Cluster(transport, spec=small_job(task__options__model={"name": "mlp", "hidden": [512]}))
+        spool = cluster.aggregator.root / "spool"
+        failures: list[str] = []
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+            if not failures and path.is_relative_to(spool):
+                failures.append(str(path))
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        with cluster.running():
+            digest, weights = cluster.open_round_one()
+            first, second = cluster.updates(digest, weights)[:2]
+            close = RoundClose(job_id=cluster.job_id, round=1, clients=[0, 1])
+            cluster.while_busy(lambda: cluster.send(first, second, close))
+            clients, closed = replies_until_closed(cluster)
+            assert len(failures) == 1
+            assert closed.clients == [0, 1] and sorted(clients) == [0, 1]
+        assert transport.dead() == []

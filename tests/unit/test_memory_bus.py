@@ -249,6 +249,40 @@ def test_stopping_a_bus_redelivers_its_unacked_message_to_another_consumer(
     assert broker.dead_letters == []
 
 
+def test_a_stopped_bus_gives_its_unacked_messages_back_in_their_order(buses: Buses) -> None:
+    # The aggregator holds up to 8 unacked (a group commit): a Ctrl-C pause must keep their order.
+    first = buses.start("first")
+    first_got: queue.Queue[Delivery] = queue.Queue()
+    first.consume(Q, collect(first_got), prefetch=8)
+    for i in range(8):
+        first.publish(Q, f"m{i}".encode())
+    assert [take(first_got).body for _ in range(8)] == [f"m{i}".encode() for i in range(8)]
+    buses.stop(first)
+    second = buses.start("second")
+    second_got: queue.Queue[Delivery] = queue.Queue()
+    second.consume(Q, collect(second_got, ack=True), prefetch=8)
+    assert [take(second_got).body for _ in range(8)] == [f"m{i}".encode() for i in range(8)]
+
+
+def test_work_left_for_when_idle_is_done_before_the_bus_stops(buses: Buses, broker: MemoryBroker) -> None:
+    bus = buses.start()
+    got: queue.Queue[Delivery] = queue.Queue()
+    stopping = threading.Event()
+
+    def handle(delivery: Delivery) -> None:
+        bus.call_when_idle(delivery.ack)  # settled later, with whatever comes with it
+        got.put(delivery)
+        assert stopping.wait(WAIT)  # the bus is told to stop before it is ever idle
+
+    bus.consume(Q, handle)
+    bus.publish(Q, b"x")
+    delivery = take(got)
+    bus.stop()
+    stopping.set()
+    assert bus.wait_stopped(WAIT)
+    assert broker.depth(Q) == 0 and not delivery.live(), "acked before the bus stopped"
+
+
 def test_a_requeued_message_is_delivered_again_marked_redelivered(buses: Buses) -> None:
     bus = buses.start()
     got: queue.Queue[Delivery] = queue.Queue()
