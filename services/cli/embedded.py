@@ -191,13 +191,20 @@ def run_job(
             else:
                 submit = JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json"))
                 follower.bus.publish(topology.SCHEDULER, to_wire(submit))
+            last = None
             for event in events:
                 if on_event is not None:
                     on_event(event)
                 if event.kind == "round_completed" and event.round is not None:
                     rounds[event.round] = dict(event.data)
                 elif event.kind in TERMINAL:
-                    final = {"status": event.kind, **event.data}
+                    final, last = {"status": event.kind, **event.data}, event.round
+            if spec.ddp is None and last is not None and not set(range(last + 1)) <= set(rounds):
+                # Events are best effort: one published while a broker connection was being made
+                # again is lost. The scheduler's record of the rounds is not.
+                for told in _story_so_far(follower.bus, job_id):
+                    if told.kind == "round_completed" and told.round is not None:
+                        rounds.setdefault(told.round, dict(told.data))
         finally:
             follower.close()
         counters = {

@@ -149,3 +149,38 @@ def test_the_services_compute_what_a_plain_fedavg_loop_computes(settings: Settin
     result = run_job(spec, settings, idle_timeout=60)
     assert result["status"] == "completed"
     assert_matches_reference(result, reference_fedavg(spec))
+
+
+def test_a_round_whose_event_was_lost_is_still_in_the_result_from_the_schedulers_record(
+    settings: Settings,
+) -> None:
+    # Events are best effort: on RabbitMQ one published while the follower's connection is being
+    # made again is lost. The result's history is the scheduler's, whatever the follower heard.
+    from fedmq.common.bus.base import EventHandler
+    from fedmq.common.bus.memory import MemoryBroker, MemoryBus
+    from fedmq.common.messages import from_wire
+
+    class Deaf(MemoryBus):
+        """A follower's bus that never hears round 2 complete."""
+
+        def subscribe(self, pattern: str, handler: EventHandler) -> None:
+            def lossy(body: bytes) -> None:
+                event = from_wire(body)
+                if not (getattr(event, "kind", "") == "round_completed" and getattr(event, "round", 0) == 2):
+                    handler(body)
+
+            super().subscribe(pattern, lossy)
+
+    broker = MemoryBroker()
+    heard: list[int | None] = []
+    spec = small_job(rounds=3)
+    result = run_job(
+        spec, settings,
+        connect=lambda name: Deaf(broker, "cli") if name == "client" else broker.connect(
+            name.split("-")[0] if name.split("-")[0] in ("scheduler", "aggregator", "learner") else "cli"),
+        on_event=lambda e: heard.append(e.round) if e.kind == "round_completed" else None,
+    )
+    assert result["status"] == "completed"
+    assert heard == [0, 1, 3], "the follower missed round 2"
+    assert [h["round"] for h in result["history"]] == [0, 1, 2, 3]
+    assert_matches_reference(result, reference_fedavg(spec))
