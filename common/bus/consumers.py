@@ -54,7 +54,8 @@ class RabbitDelivery(Delivery):
         self._consumers._settle(self, "requeue")
 
     def live(self) -> bool:
-        return not self._settled and self._generation == self._consumers._link.generation
+        link = self._consumers._link
+        return not self._settled and self._generation == link.generation and not link.is_lost()
 
 
 @dataclass

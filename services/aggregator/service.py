@@ -164,10 +164,14 @@ class AggregatorService:
         self.retry.succeeded()
         delivery.ack()
 
-    def _stall(self, exc: StateUnwritable, deliveries: list[Delivery]) -> None:
-        """A state write failed: `deliveries`, then every later one, wait unacked for the retry."""
+    def _stall(self, exc: Exception, deliveries: list[Delivery]) -> None:
+        """A state write (or a group's announcement) failed: `deliveries`, then every later one,
+        wait unacked for the retry after a backoff."""
         if not self._stalled:
-            self.retry.later(exc, self._resume)
+            if isinstance(exc, StateUnwritable):
+                self.retry.later(exc, self._resume)
+            else:
+                self.bus.call_later(self.settings.retry_initial_s, self._resume)
         self._stalled = True
         self._backlog.extendleft(reversed(deliveries))
 
@@ -182,6 +186,8 @@ class AggregatorService:
             try:
                 self._process(delivery)
             except Exception as exc:  # as the bus does for a handler: dead-lettered, the rest go on
+                if not delivery.live():
+                    raise  # the connection is gone: the bus connects again, the broker gives them back
                 log.exception("handler_crashed", queue=delivery.queue)
                 delivery.reject(f"handler_error: {type(exc).__name__}")
 
@@ -223,13 +229,15 @@ class AggregatorService:
                                              UpdatesAccepted(job_id=job_id, round=rnd, updates=replies)))
                 for (job_id, rnd), replies in by_round.items()
             ])
-        except Exception:
-            # Stored, not announced: given back, each comes again as a duplicate and is announced
-            # then (a lost connection has given them back already).
-            for delivery in [d for _, d, _, _ in pending] + ([then] if then else []):
-                if delivery.live():
-                    delivery.requeue()
-            raise
+        except Exception as exc:
+            # Stored, not announced: after a backoff each is handled again, in order, as a
+            # duplicate, and announced then. A lost connection: the broker gives them back.
+            waiting = [d for d in [d for _, d, _, _ in pending] + ([then] if then else []) if d.live()]
+            if not waiting:
+                raise
+            log.warning("updates_not_announced", count=len(pending), error=repr(exc)[:300])
+            self._stall(exc, waiting)
+            return False
         self.retry.succeeded()
         for _, delivery, _, _ in pending:
             delivery.ack()

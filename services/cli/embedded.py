@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
+import structlog
+
 from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
@@ -37,6 +39,8 @@ from fedmq.services.cli.interrupt import Interrupt
 from fedmq.services.cli.summary import summarize
 from fedmq.services.learner.service import LearnerService
 from fedmq.services.scheduler.service import SchedulerService
+
+log = structlog.get_logger("fedmq.run")
 
 STOP_WAIT_S = 10.0  # a stop at the end of a job waits this long per thread; a Ctrl-C waits for all
 STATUS_TIMEOUT_S = 30.0
@@ -199,12 +203,11 @@ def run_job(
                     rounds[event.round] = dict(event.data)
                 elif event.kind in TERMINAL:
                     final, last = {"status": event.kind, **event.data}, event.round
-            if spec.ddp is None and last is not None and not set(range(last + 1)) <= set(rounds):
+            done = last + (final["status"] == "completed") if last is not None else 0
+            if spec.ddp is None and not set(range(done)) <= set(rounds):
                 # Events are best effort: one published while a broker connection was being made
                 # again is lost. The scheduler's record of the rounds is not.
-                for told in _story_so_far(follower.bus, job_id):
-                    if told.kind == "round_completed" and told.round is not None:
-                        rounds.setdefault(told.round, dict(told.data))
+                _fill_in(rounds, follower.bus, job_id)
         finally:
             follower.close()
         counters = {
@@ -227,6 +230,19 @@ def run_job(
         **summarize(history, None if spec.objective is None else spec.objective.model_dump()),
         "history": history,
     }
+
+
+def _fill_in(rounds: dict[int, dict[str, Any]], bus: Bus, job_id: str) -> None:
+    """The rounds whose events were missed, from the scheduler's record (kept as heard if it
+    cannot be asked)."""
+    try:
+        told = _story_so_far(bus, job_id)
+    except (TimeoutError, ConnectionError, ConfigError) as exc:
+        log.warning("history_incomplete", job=job_id, rounds_heard=len(rounds), error=str(exc)[:200])
+        return
+    for event in told:
+        if event.kind == "round_completed" and event.round is not None:
+            rounds.setdefault(event.round, dict(event.data))
 
 
 def _story_so_far(bus: Bus, job_id: str) -> list[JobEvent]:

@@ -168,14 +168,15 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         try:
             while self._dirty:
                 job_id, job = next(iter(self._dirty.items()))
-                self.rows.save(job)
+                try:
+                    self.rows.save(job)
+                except StateUnwritable:
+                    raise
+                except Exception:  # a bug, not the disk: it would fail every time; the others go on
+                    log.exception("job_save_crashed", job=job_id)
                 del self._dirty[job_id]
         except StateUnwritable as exc:
             self.retry.later(exc, self._save_handled)
-            return
-        except Exception:  # not the disk: logged, and tried again, so the acks are not stuck behind it
-            log.exception("job_save_crashed")
-            self.bus.call_later(self.settings.retry_initial_s, self._save_handled)
             return
         self.retry.succeeded()
         deliveries, self._unsaved = self._unsaved, []

@@ -12,7 +12,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import torch
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
+from fedmq.common.bus.memory import MemoryBroker, MemoryBus
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import (
@@ -262,3 +263,31 @@ def test_a_large_update_whose_spool_write_failed_keeps_its_place_in_the_queue(
             assert len(failures) == 1
             assert closed.clients == [0, 1] and sorted(clients) == [0, 1]
         assert transport.dead() == []
+
+
+def test_a_group_whose_announcement_fails_is_announced_after_a_backoff_in_order(tmp_path: Path) -> None:
+    # Stored, then the announcement is refused (once): nothing is dead-lettered or skipped; the
+    # group is handled again (as duplicates, announced with their sizes), then the RoundClose.
+    broker = MemoryBroker()
+
+    class Refusing(MemoryBus):
+        refused = 0
+
+        def publish_all(self, messages: Sequence[tuple[str, bytes]]) -> None:
+            if not Refusing.refused and any(b"updates_accepted" in body for _, body in messages):
+                Refusing.refused += 1
+                raise RuntimeError("refused")
+            super().publish_all(messages)
+
+    settings = Settings(state_dir=tmp_path / "state", log_format="json")
+    transport = Transport("memory", settings, lambda name: (
+        Refusing(broker) if name == "aggregator" else broker.connect()), broker=broker)
+    cluster = Cluster(transport)
+    with cluster.running():
+        digest, weights = cluster.open_round_one()
+        close = RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS)
+        cluster.while_busy(lambda: cluster.send(*cluster.updates(digest, weights), close))
+        clients, closed = replies_until_closed(cluster)
+        assert Refusing.refused == 1
+        assert clients == CLIENTS and closed.clients == CLIENTS
+    assert transport.dead() == []
