@@ -250,8 +250,8 @@ class BrokerConnection:
                 self._when_idle()
                 continue
             self.conn.process_data_events(time_limit=min(wait, 1.0) if wait is not None else 1.0)
-        if self._idle and not self.is_lost():  # stopping: what was left for later still settles
-            self._when_idle()
+        if self._idle and not self.is_lost():  # stopping: what was left for later still settles,
+            self._run_idle()  # without taking in more
 
     def _when_idle(self) -> None:
         """Take in what has arrived, without waiting, until no delivery comes (at most IDLE_POLLS
@@ -262,6 +262,9 @@ class BrokerConnection:
             self.conn.process_data_events(time_limit=0)
             if self.delivered == seen:
                 break
+        self._run_idle()
+
+    def _run_idle(self) -> None:
         while self._idle:  # one at a time: a lost connection leaves the rest for the next one
             self._guarded(self._idle.pop(0), "callback_crashed")
 
