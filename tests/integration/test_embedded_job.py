@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -184,3 +186,26 @@ def test_a_round_whose_event_was_lost_is_still_in_the_result_from_the_schedulers
     assert heard == [0, 1, 3], "the follower missed round 2"
     assert [h["round"] for h in result["history"]] == [0, 1, 2, 3]
     assert_matches_reference(result, reference_fedavg(spec))
+
+
+def test_the_aggregator_writes_the_clients_example_counts_only_when_a_client_is_new(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every client reports every round: its first count is kept from round 1 on, and no later
+    # round writes (and fsyncs) the same record again.
+    from fedmq.services.aggregator.store import JobStore
+
+    saved: list[str] = []
+    save_json = JobStore.save_json
+
+    def recording(store: JobStore, name: str, value: dict) -> None:
+        saved.append(name)
+        save_json(store, name, value)
+
+    monkeypatch.setattr(JobStore, "save_json", recording)
+    spec = small_job(rounds=4)
+    result = run_job(spec, settings)
+    assert result["status"] == "completed"
+    assert saved.count("examples") == 1 and saved.count("closed") == 5  # rounds 0 to 4
+    stored = settings.state_dir / "aggregator" / result["job_id"] / "examples.json"
+    assert json.loads(stored.read_text()) == {str(c): shard_size(spec, c) for c in range(5)}
