@@ -52,7 +52,8 @@ err = Console(stderr=True)
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 EXIT_UNREACHABLE = 3
-NOT_SETTINGS = ("FEDMQ_NO_INSTALL",)  # FEDMQ_ variables of scripts/ (make test), no service's
+# FEDMQ_ variables of scripts/ and tests/ (make test, the tests' broker), no service's
+NOT_SETTINGS = ("FEDMQ_NO_INSTALL", "FEDMQ_TEST_BROKER_URL")
 
 
 def _print_version(value: bool) -> None:

@@ -65,13 +65,20 @@ def test_a_learner_checks_its_device_when_it_is_built_before_it_starts(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_real_gpu_trains_a_client() -> None:
+    import fedmq
     from fedmq.common.seeding import torch_generator
-    from fedmq.services.learner.training import train_local
+    from fedmq.common.task.runtime import TaskRuntime
     from tests.conftest import small_job
+    from tests.support.simulate import settings
 
-    spec = small_job()
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10)).cuda()
-    x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
-    metrics = train_local(model, x, y, spec.train, torch_generator(0, "t"), torch.device("cuda", 0))
-    assert metrics["steps"] == 2
-    assert next(model.parameters()).device.type == "cuda"
+    rt = TaskRuntime.for_job(small_job())
+    cuda = torch.device("cuda", 0)
+    model = rt.build_model().to(cuda)
+    ctx = fedmq.TrainContext(
+        client=0, round=1, seed=rt.spec.seed, train=settings(rt.spec), device=cuda,
+        generator=torch_generator(rt.spec.seed, "train", 1, 0),
+        global_weights={k: v.clone() for k, v in model.state_dict().items()},
+    )
+    result = rt.train(model, rt.load_data(0, None), ctx)
+    assert result.num_examples > 0
+    assert all(p.device.type == "cuda" for p in model.parameters())
