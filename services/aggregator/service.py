@@ -211,13 +211,15 @@ class AggregatorService:
             return True
         pending, self._pending = self._pending, []
         jobs = list({id(job): job for job, _, _, _ in pending}.values())
+        deliveries = [delivery for _, delivery, _, _ in pending]
+        waiting = deliveries + ([then] if then else [])  # what waits for a retry if this fails
         try:
             for job in jobs:
                 job.store.commit_staged()
         except StateUnwritable as exc:
             for job in jobs:
                 self._disk(job).measure()
-            self._stall(exc, [delivery for _, delivery, _, _ in pending] + ([then] if then else []))
+            self._stall(exc, waiting)
             return False
         self.metrics.updates_accepted.inc(sum(new for _, _, _, new in pending))
         by_round: dict[tuple[str, int], list[UpdateAccepted]] = {}
@@ -232,14 +234,14 @@ class AggregatorService:
         except Exception as exc:
             # Stored, not announced: after a backoff each is handled again, in order, as a
             # duplicate, and announced then. A lost connection: the broker gives them back.
-            waiting = [d for d in [d for _, d, _, _ in pending] + ([then] if then else []) if d.live()]
-            if not waiting:
+            live = [delivery for delivery in waiting if delivery.live()]
+            if not live:
                 raise
             log.warning("updates_not_announced", count=len(pending), error=repr(exc)[:300])
-            self._stall(exc, waiting)
+            self._stall(exc, live)
             return False
         self.retry.succeeded()
-        for _, delivery, _, _ in pending:
+        for delivery in deliveries:
             delivery.ack()
         return True
 

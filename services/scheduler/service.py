@@ -165,19 +165,16 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         """The jobs the messages handled since the last save changed, each saved once, then those
         messages acked (a group commit). A failed save is tried again after a backoff, the messages
         unacked meanwhile (the queue waits: prefetch)."""
-        try:
-            while self._dirty:
-                job_id, job = next(iter(self._dirty.items()))
-                try:
-                    self.rows.save(job)
-                except StateUnwritable:
-                    raise
-                except Exception:  # a bug, not the disk: it would fail every time; the others go on
-                    log.exception("job_save_crashed", job=job_id)
-                del self._dirty[job_id]
-        except StateUnwritable as exc:
-            self.retry.later(exc, self._save_handled)
-            return
+        while self._dirty:
+            job_id, job = next(iter(self._dirty.items()))
+            try:
+                self.rows.save(job)
+            except StateUnwritable as exc:
+                self.retry.later(exc, self._save_handled)
+                return
+            except Exception:  # a bug, not the disk: it would fail every time; the others go on
+                log.exception("job_save_crashed", job=job_id)
+            del self._dirty[job_id]
         self.retry.succeeded()
         deliveries, self._unsaved = self._unsaved, []
         for delivery in deliveries:
