@@ -25,7 +25,7 @@ pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
 LEARNERS = 3
 CLOSES = 12  # at most; the closes stop once one landed on a publish (and LEAST_CLOSES were made)
 LEAST_CLOSES = 3  # a close costs about a round (reconnects, redeliveries): the job may end first
-ROUNDS = 12  # room for the closes: on a loaded machine a close lands on a publish less often
+ROUNDS = 20  # room for CLOSES closes: on a loaded machine a close lands on a publish less often
 FRAME_BYTES = 64 * 1024  # the smallest frame: a 1.2 MB update goes as ~19 chunks
 
 
