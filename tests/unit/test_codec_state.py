@@ -107,3 +107,18 @@ def test_state_digest_changes_with_dtype_shape_or_name() -> None:
     assert digest != state_digest({"v": base})
     assert digest != state_digest({"w": base, "v": base})
     assert state_digest({"ab": base, "c": base}) != state_digest({"a": base, "bc": base})
+
+
+def test_state_digest_is_the_same_on_one_thread_or_many(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedmq.common.codec import state as state_module
+
+    monkeypatch.setattr(state_module, "DIGEST_PIECE", 64)  # 4 KiB of data: 64 pieces over 3 tensors
+    state = {"w": torch.arange(800, dtype=torch.float32), "b": torch.ones(3), "e": torch.empty(0)}
+    digests = set()
+    for threads in (1, 2, 8):
+        monkeypatch.setattr(state_module, "DIGEST_THREADS", threads)
+        digests.add(state_digest(state))
+    assert len(digests) == 1
+    flipped = dict(state, w=state["w"].clone())
+    flipped["w"][-1] += 1  # the last piece of the tensor hashed in most pieces
+    assert state_digest(flipped) not in digests
