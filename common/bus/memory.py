@@ -6,6 +6,11 @@ broker's: round-robin delivery within prefetch, manual acks, redelivery of
 unacked messages when a bus stops, a delivery limit, dead letters with reasons.
 Each bus has a user, stamped on everything it publishes as `Delivery.user_id`, as
 RabbitMQ stamps (and checks) the broker user; the consumers check it the same way.
+
+A message larger than a frame reaches a consumer with a spool (and a request_large) in a file,
+as it does from RabbitMQ. An encoding whose parts are owned (Encoded.owned: a learner's update)
+is kept in its parts until its consumer's thread receives it: the publisher goes on at once, and
+the parts are written to the spool file, or joined, there.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import os
 import queue
 import threading
 import time
@@ -31,6 +37,7 @@ from fedmq.common.codec.pack import Encoded
 log = structlog.get_logger(__name__)
 
 REPLY_PREFIX = "reply."
+FRAME_BYTES = 4 * 1024 * 1024  # Settings.frame_bytes' default: larger bodies are spooled
 
 
 @dataclass
@@ -42,7 +49,7 @@ class DeadLetter:
 
 @dataclass
 class _Message:
-    body: bytes
+    body: bytes | Encoded  # an Encoded only when owned: read on the consumer's thread
     reply_to: str | None
     correlation_id: str | None
     headers: dict[str, Any]
@@ -55,6 +62,7 @@ class _Consumer:
     bus: MemoryBus
     handler: Handler
     prefetch: int
+    spool: Path | None = None  # where a body over a frame is received (consume's spool)
     unacked: dict[MemoryDelivery, None] = field(default_factory=dict)  # in delivery order
 
 
@@ -68,8 +76,9 @@ class _Queue:
 class MemoryBroker:
     """Queues, topic subscriptions and dead letters shared by every MemoryBus."""
 
-    def __init__(self, delivery_limit: int = 20) -> None:
+    def __init__(self, delivery_limit: int = 20, frame_bytes: int = FRAME_BYTES) -> None:
         self.delivery_limit = delivery_limit
+        self.frame_bytes = frame_bytes
         self.dead_letters: list[DeadLetter] = []
         self._lock = threading.RLock()
         self._queues: dict[str, _Queue] = defaultdict(_Queue)
@@ -90,12 +99,22 @@ class MemoryBroker:
         with self._lock:
             waiter = self._waiters.get(name)
             if waiter is not None:
-                waiter.set(message.body)
+                waiter.set(self._reply_body(waiter, message.body))
                 return
             if name.startswith(REPLY_PREFIX):
                 return  # a reply nobody waits for any more (timed out): dropped, as RabbitMQ does
             self._queues[name].ready.append(message)
             self._dispatch(name)
+
+    def _reply_body(self, waiter: _Waiter, body: bytes | Encoded) -> bytes | Path:
+        """A reply as its requester gets it: one over a frame in a file in its spool, when it
+        gave one (request_large, as RabbitMQ's reply comes in chunks), written from the parts."""
+        if waiter.spool is not None and _size(body) > self.frame_bytes:
+            try:
+                return _spool_file(waiter.spool(), body, sync=False)  # a cache's file (blob.read_to_file)
+            except OSError as exc:  # the requester's disk: the reply in memory instead
+                log.warning("spool_unwritable", error=str(exc)[:300])
+        return _joined(body)
 
     def _publish_event(self, topic: str, body: bytes) -> None:
         with self._lock:
@@ -112,7 +131,7 @@ class MemoryBroker:
             message = q.ready.popleft()
             message.deliveries += 1
             delivery = MemoryDelivery(
-                body=message.body,
+                body=message.body if isinstance(message.body, bytes) else b"",  # the rest: MemoryBus._receive
                 queue=name,
                 redelivered=message.deliveries > 1,
                 reply_to=message.reply_to,
@@ -141,8 +160,10 @@ class MemoryBroker:
             if delivery not in consumer.unacked:
                 return  # already settled, or returned when its bus stopped
             del consumer.unacked[delivery]
+            if delivery.body_path is not None:
+                delivery.body_path.unlink(missing_ok=True)  # unless the handler moved it away
             if outcome == "reject":
-                self.dead_letters.append(DeadLetter(delivery.queue, delivery.body, reason))
+                self.dead_letters.append(DeadLetter(delivery.queue, _joined(delivery._message.body), reason))
                 if consumer.bus.on_dead_letter is not None:
                     consumer.bus.on_dead_letter(reason)
             elif outcome == "requeue":
@@ -151,7 +172,7 @@ class MemoryBroker:
 
     def _return(self, name: str, message: _Message) -> None:
         if message.deliveries >= self.delivery_limit:
-            self.dead_letters.append(DeadLetter(name, message.body, "delivery_limit"))
+            self.dead_letters.append(DeadLetter(name, _joined(message.body), "delivery_limit"))
         else:
             self._queues[name].ready.appendleft(message)
 
@@ -170,6 +191,8 @@ class MemoryBroker:
                 for consumer in mine:
                     for delivery in reversed(consumer.unacked):  # back to the head, in their order
                         self._return(name, delivery._message)
+                        if delivery.body_path is not None:
+                            delivery.body_path.unlink(missing_ok=True)
                     consumer.unacked.clear()
                 self._dispatch(name)
 
@@ -195,11 +218,12 @@ class MemoryDelivery(Delivery):
 
 
 class _Waiter:
-    def __init__(self) -> None:
+    def __init__(self, spool: Callable[[], Path] | None = None) -> None:
         self._event = threading.Event()
-        self.body = b""
+        self.spool = spool  # request_large's: where a reply over a frame goes
+        self.body: bytes | Path = b""
 
-    def set(self, body: bytes) -> None:
+    def set(self, body: bytes | Path) -> None:
         self.body = body
         self._event.set()
 
@@ -237,9 +261,9 @@ class MemoryBus(Bus):
         correlation_id: str | None = None,
         headers: dict[str, Any] | None = None,
     ) -> None:
-        if isinstance(body, Encoded):
+        if isinstance(body, Encoded) and not body.owned:
             body = body.join()  # now: the message is delivered later, its tensors may change before
-        if not isinstance(body, bytes):
+        if not isinstance(body, bytes | Encoded):
             raise TypeError("message bodies must be bytes")
         self.broker._publish(queue, _Message(body, reply_to, correlation_id, dict(headers or {}), self.user))
 
@@ -247,16 +271,27 @@ class MemoryBus(Bus):
         self.broker._publish_event(topic, body)
 
     def consume(self, queue: str, handler: Handler, *, prefetch: int = 1, spool: Path | None = None) -> None:
-        # In memory nothing is framed, so nothing needs spooling.
-        self.broker._add_consumer(queue, _Consumer(self, handler, prefetch))
+        self.broker._add_consumer(queue, _Consumer(self, handler, prefetch, spool))
 
     def subscribe(self, pattern: str, handler: EventHandler) -> None:
         with self.broker._lock:
             self.broker._subscriptions.append((pattern, self, handler))
 
     def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
+        reply = self._request(queue, body, timeout, None)
+        assert isinstance(reply, bytes)  # no spool: never a file
+        return reply
+
+    def request_large(
+        self, queue: str, body: bytes, *, timeout: float, spool: Callable[[], Path]
+    ) -> bytes | Path:
+        return self._request(queue, body, timeout, spool)
+
+    def _request(
+        self, queue: str, body: bytes, timeout: float, spool: Callable[[], Path] | None
+    ) -> bytes | Path:
         address = f"{REPLY_PREFIX}{uuid.uuid4().hex}"
-        waiter = _Waiter()
+        waiter = _Waiter(spool)
         with self.broker._lock:
             self.broker._waiters[address] = waiter
         try:
@@ -327,10 +362,49 @@ class MemoryBus(Bus):
 
     def _handle(self, handler: Handler, delivery: MemoryDelivery) -> None:
         try:
+            self._receive(delivery)
             handler(delivery)
         except Exception as exc:  # a handler bug must not kill the service: dead-letter
             log.exception("handler_crashed", queue=delivery.queue)
             delivery.reject(f"handler_error: {type(exc).__name__}")
+
+
+    def _receive(self, delivery: MemoryDelivery) -> None:
+        """The body as its consumer gets it, here on the consumer's thread: one over a frame into a
+        new file in the consumer's spool, fsynced (RabbitMQ's consumer receives it so); else in
+        memory, an owned encoding joined now."""
+        body, spool = delivery._message.body, delivery._consumer.spool
+        if spool is not None and _size(body) > self.broker.frame_bytes:
+            try:
+                delivery.body_path, delivery.body = _spool_file(spool, body, sync=True), b""
+                return
+            except OSError as exc:  # the consumer's disk: in memory, where its own store says so
+                log.warning("spool_unwritable", queue=delivery.queue, error=str(exc)[:300])
+        delivery.body = _joined(body)
+
+
+def _size(body: bytes | Encoded) -> int:
+    return body.size if isinstance(body, Encoded) else len(body)
+
+
+def _joined(body: bytes | Encoded) -> bytes:
+    return body.join() if isinstance(body, Encoded) else body
+
+
+def _spool_file(folder: Path, body: bytes | Encoded, sync: bool) -> Path:
+    """The body in a new file in `folder` (fsynced if `sync`), written from its parts: no join."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{uuid.uuid4().hex}.msg"
+    try:
+        with open(path, "wb") as f:
+            f.writelines(body.parts if isinstance(body, Encoded) else [body])
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def _guarded(callback: Callable[[], None]) -> None:

@@ -39,8 +39,12 @@ class Encoded:
     until the parts have been sent (or joined).
     """
 
-    def __init__(self, parts: list[bytes | memoryview]) -> None:
+    def __init__(self, parts: list[bytes | memoryview], owned: bool = False) -> None:
+        """`owned`: nothing changes the viewed tensors any more (they are this encoding's alone),
+        so a bus may read the parts after publish returns (the in-memory bus, on its consumer's
+        thread), not only while publishing."""
         self.parts = parts
+        self.owned = owned
         self.size = sum(part.nbytes if isinstance(part, memoryview) else len(part) for part in parts)
 
     def join(self) -> bytes:

@@ -55,7 +55,8 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     digest = hashlib.sha256(b"fedmq.state_digest.v2\0")
     digest.update(struct.pack("<Q", len(state)))
     parts = [(name.encode(), *tensor_parts(state[name])) for name in sorted(state)]
-    pieces = [data[at:at + DIGEST_PIECE] for _, _, data in parts for at in range(0, data.nbytes, DIGEST_PIECE)]
+    pieces = [data[at:at + DIGEST_PIECE]
+              for _, _, data in parts for at in range(0, data.nbytes, DIGEST_PIECE)]
     threads = min(DIGEST_THREADS, len(pieces))
     if threads > 1:
         with ThreadPoolExecutor(threads, thread_name_prefix="digest") as pool:

@@ -369,10 +369,14 @@ class LearnerService:
         """The reply a task gets: an EvalReport for the scheduler, a ClientUpdate for the aggregator.
 
         The update stays in its encoded parts, which view the trained model's tensors: it is sent
-        chunk by chunk from them (no copy of the model), before this thread trains again."""
+        chunk by chunk from them (no copy of the model). Nothing changes those tensors afterwards
+        (Work.train: a copy, or the model's own lent until its next load replaces them), so the
+        parts are owned: the in-memory bus hands them to the aggregator's thread unjoined."""
         if isinstance(task, EvalTask):
             return topology.SCHEDULER, to_wire(self.work.evaluate(task))
-        return topology.AGGREGATOR, to_wire_parts(self.work.train(task))
+        update = to_wire_parts(self.work.train(task))
+        update.owned = True
+        return topology.AGGREGATOR, update
 
     def _failure(
         self, task: Task, code: str, reason: str, error: UserError | None = None

@@ -38,8 +38,8 @@ class Transport:
 def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Transport]:
     state = tmp_path / "state"
     if request.param == "memory":
-        broker = MemoryBroker()
         settings = Settings(state_dir=state, log_format="json")
+        broker = MemoryBroker(frame_bytes=settings.frame_bytes)
         yield Transport("memory", settings, lambda name: broker.connect(), broker=broker)
         return
     with fresh_vhost() as url:

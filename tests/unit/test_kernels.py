@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,11 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedmq.common.errors import AggregationError
+from fedmq.common.codec import TensorFile, index_tensors, packb
+from fedmq.common.errors import AggregationError, DecodeError
 from fedmq.common.jobspec import parse_job
 from fedmq.common.strategy.contract import ClientResult, RoundContext, Strategy
 from fedmq.common.strategy.loading import make_strategy
-from fedmq.services.aggregator.kernels import server_momentum, weighted_mean
+from fedmq.services.aggregator.kernels import mean, server_momentum, weighted_mean
 from fedmq.services.aggregator.strategies.average import Average
 from fedmq.services.aggregator.strategies.fedavg import FedAvg
 from fedmq.services.aggregator.strategies.fedavgm import FedAvgM
@@ -381,3 +383,43 @@ def test_make_strategy_passes_fedavgm_hyperparameters_through_from_the_legacy_fl
     strategy = make_strategy(spec.strategy)
     assert isinstance(strategy, FedAvgM)
     assert (strategy.options.server_lr, strategy.options.server_momentum) == (0.3, 0.6)
+
+
+def _files(tmp_path: Path, states: Sequence[StateDict]) -> list[TensorFile]:
+    out = []
+    for i, state in enumerate(states):
+        path = tmp_path / f"u{i}.msg"
+        path.write_bytes(packb({"weights": state}))
+        out.append(index_tensors(path))
+    return out
+
+
+@pytest.mark.parametrize("read_ahead_bytes", [0, 1 << 40])  # every tensor read ahead; none
+def test_weighted_mean_of_stored_updates_is_bit_identical_to_the_same_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_ahead_bytes: int
+) -> None:
+    monkeypatch.setattr(mean, "READ_AHEAD_BYTES", read_ahead_bytes)
+    gen = torch.Generator().manual_seed(3)
+    states = [{"w": torch.randn(64, 33, generator=gen), "b": torch.randn(7, generator=gen).double(),
+               "n": torch.tensor([i], dtype=torch.int64)} for i in range(6)]
+    weights = [1.0, 2.5, 0.0, 3.0, 7.0, 0.5]
+    files = _files(tmp_path, states)
+    stored = mean.WeightedMean(zip(files, weights, strict=True))
+    expected = weighted_mean(zip(states, weights, strict=True))
+    for name, tensor in expected.items():
+        assert torch.equal(stored[name], tensor) and stored[name].dtype == tensor.dtype
+        assert stored[name].data_ptr() != stored[name].data_ptr()  # a fresh tensor each read
+    assert all(torch.equal(file["w"], state["w"]) for file, state in zip(files, states, strict=True))
+
+
+def test_a_stored_update_that_cannot_be_read_fails_the_mean_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mean, "READ_AHEAD_BYTES", 0)
+    states = [{"w": torch.full((100,), float(i))} for i in range(5)]
+    files = _files(tmp_path, states)
+    Path(files[3].path).write_bytes(b"changed")  # rewritten since it was indexed
+    with pytest.raises(DecodeError, match="changed since it was indexed"):
+        mean.WeightedMean((f, 1.0) for f in files)["w"]
+    files = _files(tmp_path, states)
+    assert torch.equal(mean.WeightedMean((f, 1.0) for f in files)["w"], torch.full((100,), 2.0))
