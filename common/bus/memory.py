@@ -7,10 +7,11 @@ unacked messages when a bus stops, a delivery limit, dead letters with reasons.
 Each bus has a user, stamped on everything it publishes as `Delivery.user_id`, as
 RabbitMQ stamps (and checks) the broker user; the consumers check it the same way.
 
-A message larger than a frame reaches a consumer with a spool (and a request_large) in a file,
-as it does from RabbitMQ. An encoding whose parts are owned (Encoded.owned: a learner's update)
-is kept in its parts until its consumer's thread receives it: the publisher goes on at once, and
-the parts are written to the spool file, or joined, there.
+A message larger than a frame reaches a consumer with a spool in a file, as it does from
+RabbitMQ. (A reply stays in memory, even to request_large: a learner loading the model for each
+client it trains reads memory, not the file again.) An encoding whose parts are owned
+(Encoded.owned: a learner's update) is kept in its parts until its consumer's thread receives it:
+the publisher goes on at once, and the parts are written to the spool file, or joined, there.
 """
 
 from __future__ import annotations
@@ -99,22 +100,12 @@ class MemoryBroker:
         with self._lock:
             waiter = self._waiters.get(name)
             if waiter is not None:
-                waiter.set(self._reply_body(waiter, message.body))
+                waiter.set(_joined(message.body))
                 return
             if name.startswith(REPLY_PREFIX):
                 return  # a reply nobody waits for any more (timed out): dropped, as RabbitMQ does
             self._queues[name].ready.append(message)
             self._dispatch(name)
-
-    def _reply_body(self, waiter: _Waiter, body: bytes | Encoded) -> bytes | Path:
-        """A reply as its requester gets it: one over a frame in a file in its spool, when it
-        gave one (request_large, as RabbitMQ's reply comes in chunks), written from the parts."""
-        if waiter.spool is not None and _size(body) > self.frame_bytes:
-            try:
-                return _spool_file(waiter.spool(), body, sync=False)  # a cache's file (blob.read_to_file)
-            except OSError as exc:  # the requester's disk: the reply in memory instead
-                log.warning("spool_unwritable", error=str(exc)[:300])
-        return _joined(body)
 
     def _publish_event(self, topic: str, body: bytes) -> None:
         with self._lock:
@@ -218,12 +209,11 @@ class MemoryDelivery(Delivery):
 
 
 class _Waiter:
-    def __init__(self, spool: Callable[[], Path] | None = None) -> None:
+    def __init__(self) -> None:
         self._event = threading.Event()
-        self.spool = spool  # request_large's: where a reply over a frame goes
-        self.body: bytes | Path = b""
+        self.body = b""
 
-    def set(self, body: bytes | Path) -> None:
+    def set(self, body: bytes) -> None:
         self.body = body
         self._event.set()
 
@@ -278,20 +268,8 @@ class MemoryBus(Bus):
             self.broker._subscriptions.append((pattern, self, handler))
 
     def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
-        reply = self._request(queue, body, timeout, None)
-        assert isinstance(reply, bytes)  # no spool: never a file
-        return reply
-
-    def request_large(
-        self, queue: str, body: bytes, *, timeout: float, spool: Callable[[], Path]
-    ) -> bytes | Path:
-        return self._request(queue, body, timeout, spool)
-
-    def _request(
-        self, queue: str, body: bytes, timeout: float, spool: Callable[[], Path] | None
-    ) -> bytes | Path:
         address = f"{REPLY_PREFIX}{uuid.uuid4().hex}"
-        waiter = _Waiter(spool)
+        waiter = _Waiter()
         with self.broker._lock:
             self.broker._waiters[address] = waiter
         try:
@@ -376,7 +354,7 @@ class MemoryBus(Bus):
         body, spool = delivery._message.body, delivery._consumer.spool
         if spool is not None and _size(body) > self.broker.frame_bytes:
             try:
-                delivery.body_path, delivery.body = _spool_file(spool, body, sync=True), b""
+                delivery.body_path, delivery.body = _spool_file(spool, body), b""
                 return
             except OSError as exc:  # the consumer's disk: in memory, where its own store says so
                 log.warning("spool_unwritable", queue=delivery.queue, error=str(exc)[:300])
@@ -391,16 +369,15 @@ def _joined(body: bytes | Encoded) -> bytes:
     return body.join() if isinstance(body, Encoded) else body
 
 
-def _spool_file(folder: Path, body: bytes | Encoded, sync: bool) -> Path:
-    """The body in a new file in `folder` (fsynced if `sync`), written from its parts: no join."""
+def _spool_file(folder: Path, body: bytes | Encoded) -> Path:
+    """The body in a new file in `folder`, fsynced, written from its parts: no join."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{uuid.uuid4().hex}.msg"
     try:
         with open(path, "wb") as f:
             f.writelines(body.parts if isinstance(body, Encoded) else [body])
             f.flush()
-            if sync:
-                os.fsync(f.fileno())
+            os.fsync(f.fileno())
     except BaseException:
         path.unlink(missing_ok=True)
         raise

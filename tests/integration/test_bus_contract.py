@@ -141,9 +141,8 @@ def test_request_and_reply_carry_a_message_larger_than_the_frame(transport: Tran
 def test_a_large_reply_comes_as_a_file_of_its_bytes_and_a_small_one_in_memory(
     transport: Transport, tmp_path: Path
 ) -> None:
-    """request_large: a reply over a frame is written to a new file in the spool, not held twice in
-    memory (as it comes in chunks over RabbitMQ; in memory from the reply's parts, never joined);
-    a reply within a frame is bytes."""
+    """request_large: a reply in chunks is written to a new file in the spool, not held twice in
+    memory (in memory nothing comes in chunks: bytes there); a reply within a frame is bytes."""
     big = os.urandom(transport.settings.frame_bytes * 3 + 17)
     spool = tmp_path / "spool"
     asked: list[int] = []
@@ -161,7 +160,10 @@ def test_a_large_reply_comes_as_a_file_of_its_bytes_and_a_small_one_in_memory(
         small = client.request_large("fedmq.model", b"small?", timeout=WAIT, spool=folder)
         large = client.request_large("fedmq.model", b"big", timeout=WAIT, spool=folder)
     assert small == b"small"
-    assert isinstance(large, Path) and large.parent == spool and len(asked) == 1
+    if transport.name == "memory":
+        assert large == big and not asked
+        return
+    assert isinstance(large, Path) and large.parent == spool
     assert large.read_bytes() == big
     assert list(spool.iterdir()) == [large], "one file, the caller's to delete"
 
