@@ -158,20 +158,23 @@ class TensorFile(Mapping[str, "torch.Tensor"]):
     def __repr__(self) -> str:
         return f"TensorFile({self._path!r}, {len(self._entries)} tensors)"
 
-    def _read(self, offset: int, size: int) -> bytearray:
-        """Read size bytes at offset from the indexed file into a new buffer."""
+    def _read(self, offset: int, size: int) -> memoryview:
+        """Read size bytes at offset from the indexed file into a new, writable buffer. It is not
+        cleared first, as a bytearray is: that pass, with the faults of fresh pages, took longer
+        than the read itself on a 16.7 MB tensor (10 ms against 4-6 ms, 2 cores)."""
+        import numpy as np
+
         with open(self._path, "rb", buffering=0) as file:
             if _identity(os.fstat(file.fileno())) != self._identity:
                 raise DecodeError(f"{self._path!r} changed since it was indexed")
             file.seek(offset)
-            buffer = bytearray(size)
-            with memoryview(buffer) as view:
-                done = 0
-                while done < size:  # one read, unless the OS caps it (Linux: just under 2 GiB)
-                    count = file.readinto(view[done:])
-                    if not count:
-                        raise DecodeError(f"{self._path!r} ended at byte {offset + done} while reading")
-                    done += count
+            buffer = memoryview(np.empty(size, np.uint8).data)  # 16-byte aligned, as tensor data needs
+            done = 0
+            while done < size:  # one read, unless the OS caps it (Linux: just under 2 GiB)
+                count = file.readinto(buffer[done:])
+                if not count:
+                    raise DecodeError(f"{self._path!r} ended at byte {offset + done} while reading")
+                done += count
         return buffer
 
 

@@ -82,14 +82,14 @@ def tensor_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview]:
     return header.ljust(_header_size(ndim), b"\0"), raw.numpy().data
 
 
-def tensor_from_payload(payload: bytes | bytearray) -> torch.Tensor:
+def tensor_from_payload(payload: bytes | bytearray | memoryview) -> torch.Tensor:
     """Check a tensor ext payload and return a tensor viewing its data."""
     dtype, shape = tensor_header(payload, len(payload))
     return tensor_from_data(payload, _header_size(len(shape)), dtype, shape)
 
 
 def tensor_from_data(
-    data: bytes | bytearray, start: int, dtype: torch.dtype, shape: tuple[int, ...]
+    data: bytes | bytearray | memoryview, start: int, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """A tensor of `shape` over the raw little-endian data at data[start:] (a payload's, or one row
     of a stored tensor read alone); DecodeError if torch refuses it."""
@@ -104,7 +104,7 @@ def data_offset(ndim: int) -> int:
     return _header_size(ndim)
 
 
-def header_end(fixed: bytes | bytearray, size: int) -> int:
+def header_end(fixed: bytes | bytearray | memoryview, size: int) -> int:
     """Offset of the data in a size-byte tensor payload, from its first 8 bytes (fewer if size < 8)."""
     if size < 8:
         raise DecodeError(f"tensor header truncated: {size} bytes")
@@ -117,7 +117,7 @@ def header_end(fixed: bytes | bytearray, size: int) -> int:
     return start
 
 
-def tensor_header(head: bytes | bytearray, size: int) -> tuple[torch.dtype, tuple[int, ...]]:
+def tensor_header(head: bytes | bytearray | memoryview, size: int) -> tuple[torch.dtype, tuple[int, ...]]:
     """Check the header of a size-byte tensor payload; head holds at least the header's bytes."""
     start = header_end(head, size)
     code, ndim = head[0], head[1]
@@ -146,7 +146,8 @@ def _header_size(ndim: int) -> int:
 
 
 def _view_data(
-    payload: bytes | bytearray, start: int, dtype: torch.dtype, shape: tuple[int, ...], numel: int
+    payload: bytes | bytearray | memoryview, start: int, dtype: torch.dtype, shape: tuple[int, ...],
+    numel: int,
 ) -> torch.Tensor:
     """Build the tensor over payload[start:] without copying where the host allows."""
     import torch
@@ -157,7 +158,7 @@ def _view_data(
     swap = not _LITTLE_ENDIAN and width > 1
     with warnings.catch_warnings():
         # bytes are immutable and torch warns so; unpackb's docs say to clone first.
-        # (TensorFile hands in a private bytearray, which is writable.)
+        # (TensorFile hands in a private buffer, which is writable.)
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         flat = torch.frombuffer(
             payload,

@@ -22,7 +22,7 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     sizes: list[int] = []
     real = TensorFile._read
 
-    def counted(self: TensorFile, offset: int, size: int) -> bytearray:
+    def counted(self: TensorFile, offset: int, size: int) -> memoryview:
         sizes.append(size)
         return real(self, offset, size)
 
