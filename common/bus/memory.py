@@ -77,9 +77,12 @@ class _Queue:
 class MemoryBroker:
     """Queues, topic subscriptions and dead letters shared by every MemoryBus."""
 
-    def __init__(self, delivery_limit: int = 20, frame_bytes: int = FRAME_BYTES) -> None:
+    def __init__(self, delivery_limit: int = 20, frame_bytes: int = FRAME_BYTES, fsync: bool = True) -> None:
+        """`frame_bytes`, `fsync`: the services' Settings (a body over a frame goes to a consumer's
+        spool, fsynced unless FEDMQ_FSYNC=false)."""
         self.delivery_limit = delivery_limit
         self.frame_bytes = frame_bytes
+        self.fsync = fsync
         self.dead_letters: list[DeadLetter] = []
         self._lock = threading.RLock()
         self._queues: dict[str, _Queue] = defaultdict(_Queue)
@@ -349,12 +352,12 @@ class MemoryBus(Bus):
 
     def _receive(self, delivery: MemoryDelivery) -> None:
         """The body as its consumer gets it, here on the consumer's thread: one over a frame into a
-        new file in the consumer's spool, fsynced (RabbitMQ's consumer receives it so); else in
-        memory, an owned encoding joined now."""
+        new file in the consumer's spool, fsynced as RabbitMQ's consumer does it (unless
+        FEDMQ_FSYNC=false); else in memory, an owned encoding joined now."""
         body, spool = delivery._message.body, delivery._consumer.spool
         if spool is not None and _size(body) > self.broker.frame_bytes:
             try:
-                delivery.body_path, delivery.body = _spool_file(spool, body), b""
+                delivery.body_path, delivery.body = _spool_file(spool, body, self.broker.fsync), b""
                 return
             except OSError as exc:  # the consumer's disk: in memory, where its own store says so
                 log.warning("spool_unwritable", queue=delivery.queue, error=str(exc)[:300])
@@ -369,15 +372,16 @@ def _joined(body: bytes | Encoded) -> bytes:
     return body.join() if isinstance(body, Encoded) else body
 
 
-def _spool_file(folder: Path, body: bytes | Encoded) -> Path:
-    """The body in a new file in `folder`, fsynced, written from its parts: no join."""
+def _spool_file(folder: Path, body: bytes | Encoded, sync: bool) -> Path:
+    """The body in a new file in `folder` (fsynced if `sync`), written from its parts: no join."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{uuid.uuid4().hex}.msg"
     try:
         with open(path, "wb") as f:
             f.writelines(body.parts if isinstance(body, Encoded) else [body])
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
     except BaseException:
         path.unlink(missing_ok=True)
         raise

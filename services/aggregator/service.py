@@ -71,7 +71,7 @@ from fedmq.services.aggregator.jobs import AggJob, new_job, restore_job, rewind,
 from fedmq.services.aggregator.limits import DiskQuota, OverLimit, check_model, model_bytes, retained
 from fedmq.services.aggregator.rounds import close_round, initial_round
 from fedmq.services.aggregator.serving import ModelServer
-from fedmq.services.aggregator.store import JobStore, weights_digest
+from fedmq.services.aggregator.store import TRASH, JobStore, weights_digest
 from fedmq.services.aggregator.validation import MAX_EXAMPLES, check_update
 
 log = structlog.get_logger("fedmq.aggregator")
@@ -105,6 +105,7 @@ class AggregatorService:
         # Updates bigger than a frame are received straight into files: memory holds one chunk.
         # Files a previous run left half-received belong to messages the broker still holds.
         shutil.rmtree(self.root / "spool", ignore_errors=True)
+        shutil.rmtree(self.root / TRASH, ignore_errors=True)  # what a stop left undeleted
         if removed := remove_temps(self.root):  # what a crash left mid-write: never read, only in the way
             log.info("temp_files_removed", count=removed)
         for job_id in stored_jobs(self.root):

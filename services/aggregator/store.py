@@ -12,6 +12,7 @@
         clients/c<client>/r<round>.safetensors   the strategy's per-client state (common/strategy/clients)
         residuals/c<client>/r<round>.safetensors topk's per-client residual as it travelled, the same way
         early/r<round>/c<client>.msg   updates that came before their round's RoundOpen
+    <state>/aggregator/.trash/         a closed round's updates, old checkpoints: being deleted
 
 An accepted update is written before it is acknowledged, so the round's
 results survive a restart, and a client's file exists at most once: that is
@@ -39,6 +40,7 @@ from fedmq.common.checkpoint import load_state, save_state
 from fedmq.common.errors import StateUnwritable
 from fedmq.services.aggregator.grouped import GROUP_PREFIX, GroupFile, GroupRow, group_files
 
+TRASH = ".trash"  # beside the jobs' folders: emptied when the aggregator starts
 DIGEST = re.compile(r"[0-9a-f]{64}")  # codec.state_digest's form: what a learner may ask for
 
 
@@ -53,6 +55,7 @@ class JobStore:
     def __init__(self, root: Path, job_id: str, sync: bool = True) -> None:
         """`sync`: fsync every write (FEDMQ_FSYNC; statefiles)."""
         self.root = root / job_id
+        self.trash = root / TRASH  # what is deleted on a background thread (statefiles.discard)
         self.job_id = job_id
         self.sync = sync
         self._rounds: dict[int, str] | None = None  # rounds.json, as this store last read or wrote it
@@ -140,7 +143,7 @@ class JobStore:
             if p.stem not in keep and p.stem.partition("-")[0] not in keep
         )
         for digest in gone:
-            self.checkpoint_path(digest).unlink(missing_ok=True)
+            statefiles.discard(self.checkpoint_path(digest), self.trash)
         return gone
 
     # -- updates --------------------------------------------------------------
@@ -212,7 +215,7 @@ class JobStore:
         return group.path.stat().st_size // len(group.members)
 
     def drop_updates(self, server_round: int) -> None:
-        shutil.rmtree(self._updates(server_round), ignore_errors=True)
+        statefiles.discard(self._updates(server_round), self.trash)
         self._groups.pop(server_round, None)
         self._group_seq.pop(server_round, None)
 

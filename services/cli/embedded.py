@@ -62,7 +62,7 @@ class EmbeddedCluster:
         """`allowed`: the code its services may import for a job (default: the services' list,
         fedmq's built-ins and FEDMQ_ALLOWED_CODE; `fedmq run` passes AllowList.project)."""
         self.settings = settings
-        self.broker = MemoryBroker(frame_bytes=settings.frame_bytes)
+        self.broker = MemoryBroker(frame_bytes=settings.frame_bytes, fsync=settings.fsync)
         self.in_memory = connect is None
         self._connect = connect or (lambda name: self.broker.connect(user=embedded_user(name)))
         self.allowed = allowed or AllowList.services(settings.allowed_prefixes)

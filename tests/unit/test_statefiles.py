@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +112,19 @@ def test_writes_without_sync_call_no_fsync_and_still_replace_whole(
     assert torch.equal(load_state(tmp_path / "state" / "w.safetensors")[0]["w"], torch.ones(3))
     statefiles.atomic_write(target, b"again")
     assert len(synced) == 2  # the file, then its folder
+
+
+def test_a_discarded_file_or_folder_is_gone_at_once_and_deleted_soon(tmp_path: Path) -> None:
+    folder, file, trash = tmp_path / "r1", tmp_path / "ck.safetensors", tmp_path / ".trash"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "c0.msg").write_bytes(b"x" * 1000)
+    file.write_bytes(b"y")
+    statefiles.discard(folder, trash)
+    statefiles.discard(file, trash)
+    statefiles.discard(tmp_path / "never-there", trash)  # nothing to do
+    assert not folder.exists() and not file.exists()
+    deadline = time.monotonic() + 10
+    while list(trash.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list(trash.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".trash"]
