@@ -57,7 +57,9 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     parts = [(name.encode(), *tensor_parts(state[name])) for name in sorted(state)]
     pieces = [data[at:at + DIGEST_PIECE]
               for _, _, data in parts for at in range(0, data.nbytes, DIGEST_PIECE)]
-    threads = min(DIGEST_THREADS, len(pieces))
+    # A small state hashes at once: threads would cost more than they save (one close a round).
+    large = sum(piece.nbytes for piece in pieces) > 2 * DIGEST_PIECE
+    threads = min(DIGEST_THREADS, len(pieces)) if large else 1
     if threads > 1:
         with ThreadPoolExecutor(threads, thread_name_prefix="digest") as pool:
             hashed = iter(pool.map(_sha256, pieces))
