@@ -67,14 +67,35 @@ class JobContext:
     runtime: TaskRuntime
     model: nn.Module
     lent: bool = False  # the model's tensors went out in an update: it gets fresh ones before its next load
+    # On an accelerator: the global model last loaded (by digest), a copy in the device's memory.
+    on_device: tuple[str, dict[str, torch.Tensor]] | None = None
 
-    def load(self, weights: Mapping[str, torch.Tensor], server_round: int, client: int) -> None:
-        """The global weights into the model (load_global), into fresh tensors if its own were lent."""
+    def load(
+        self, weights: Mapping[str, torch.Tensor], server_round: int, client: int, digest: str | None = None
+    ) -> None:
+        """The global weights into the model (load_global), into fresh tensors if its own were lent.
+
+        A model on an accelerator keeps a copy of the global model `digest` there, from which the
+        round's next clients load it (a copy within the device) instead of from the host: a large
+        model's file read again for each client took 0.16 s of a 202 MB model's load on an H200,
+        against 0.03 s from host memory. It costs the device one model's memory, not the host."""
         if self.lent:
             for tensor in self.model.state_dict(keep_vars=True).values():
                 tensor.data = torch.empty_like(tensor)  # the update keeps the old ones, unchanged
             self.lent = False
+        state = self.model.state_dict()
+        if digest is None or all(t.device.type == "cpu" for t in state.values()):
+            load_global(self.model, weights, server_round, client)
+            return
+        if self.on_device is not None and self.on_device[0] == digest:
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    tensor.copy_(self.on_device[1][name])
+            return
+        self.on_device = None  # the last round's copy goes before this one is made
         load_global(self.model, weights, server_round, client)
+        with torch.no_grad():
+            self.on_device = (digest, {name: tensor.detach().clone() for name, tensor in state.items()})
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         """The trained model's tensors for its update, which the bus may still be sending (a publish
@@ -243,7 +264,7 @@ class Work:
         client_state, residual = split_residual(stored)  # the strategy's, and compression's own
         fetched = time.perf_counter()
         data = self._client_data(job, task.job_id, task.client)
-        job.load(weights, task.round, task.client)
+        job.load(weights, task.round, task.client, task.model_digest)
         ctx = self._context(job, task, weights, client_state)
         result = job.runtime.train(job.model, data, ctx)
         state = job.trained_state()
@@ -276,7 +297,7 @@ class Work:
         started = time.perf_counter()
         weights, fetch_bytes = self._weights(first.job_id, first.model_digest)
         fetched = time.perf_counter()
-        job.load(weights, first.round, first.client)
+        job.load(weights, first.round, first.client, first.model_digest)
         out: list[ClientUpdate | Exception | None] = [None] * len(tasks)
         ready: list[tuple[int, ClientData, TrainContext]] = []
         for i, task in enumerate(tasks):
@@ -292,7 +313,7 @@ class Work:
             chunk = ready[at:at + limit]
             began = time.perf_counter()
             if trained_alone:
-                job.load(weights, first.round, first.client)
+                job.load(weights, first.round, first.client, first.model_digest)
                 trained_alone = False
             trained = job.runtime.train_group(job.model, [d for _, d, _ in chunk], [c for _, _, c in chunk])
             if trained is None:  # one at a time, as `train` does
@@ -301,7 +322,7 @@ class Work:
                 for i, data, ctx in chunk:
                     try:
                         began = time.perf_counter()
-                        job.load(weights, tasks[i].round, tasks[i].client)
+                        job.load(weights, tasks[i].round, tasks[i].client, first.model_digest)
                         result = job.runtime.train(job.model, data, ctx)
                         out[i] = self._update(job, tasks[i], weights, job.trained_state(), result,
                                               time.perf_counter() - began, fetched - started, fetch_bytes)
@@ -373,7 +394,7 @@ class Work:
         weights, fetch_bytes = self._weights(task.job_id, task.model_digest)
         fetch_seconds = time.perf_counter() - started
         data = self._client_data(job, task.job_id, task.client)
-        job.load(weights, task.round, task.client)
+        job.load(weights, task.round, task.client, task.model_digest)
         report = EvalReport(job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
                             num_examples=0, learner=self.name, fetch_bytes=fetch_bytes,
                             fetch_seconds=fetch_seconds)

@@ -82,3 +82,26 @@ def test_a_real_gpu_trains_a_client() -> None:
     result = rt.train(model, rt.load_data(0, None), ctx)
     assert result.num_examples > 0
     assert all(p.device.type == "cuda" for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_model_on_a_gpu_loads_the_rounds_next_clients_from_its_copy_there() -> None:
+    from fedmq.common.task.runtime import TaskRuntime
+    from fedmq.services.learner.work import JobContext
+    from tests.conftest import small_job
+
+    rt = TaskRuntime.for_job(small_job())
+    job = JobContext(spec=rt.spec, runtime=rt, model=rt.build_model().to("cuda"))
+    first = {k: torch.randn_like(v, device="cpu") if v.is_floating_point() else v.cpu()
+             for k, v in job.model.state_dict().items()}
+    second = {k: v + 1 if v.is_floating_point() else v for k, v in first.items()}
+    job.load(first, 1, 0, "d1")
+    assert job.on_device is not None and job.on_device[0] == "d1"
+    with torch.no_grad():
+        for tensor in job.model.state_dict().values():
+            tensor.zero_()  # as training changes it
+    job.load({}, 1, 1, "d1")  # from the device's copy: the host's weights are not read again
+    assert all(torch.equal(v.cpu(), first[k]) for k, v in job.model.state_dict().items())
+    job.load(second, 2, 0, "d2")  # a new global model replaces the copy
+    assert job.on_device is not None and job.on_device[0] == "d2"
+    assert all(torch.equal(v.cpu(), second[k]) for k, v in job.model.state_dict().items())
