@@ -14,9 +14,7 @@ rename is atomic and the kernel keeps what was written), only a power loss may n
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import queue
 import re
 import shutil
 import threading
@@ -138,26 +136,42 @@ def discard(path: Path, trash: Path) -> None:
     """Delete a file or folder soon, on a background thread: moved now into `trash` (a folder on
     the same disk, emptied when its owner starts), so it is gone from where it was at once.
     Freeing a large file's blocks takes tens of milliseconds (ext4, 200 MB): a round's close, which
-    its learners wait for, need not."""
+    its learners wait for, need not. The thread ends once nothing is left to delete."""
+    global _deleting
     trash.mkdir(parents=True, exist_ok=True)
     gone = trash / uuid.uuid4().hex
     try:
         os.replace(path, gone)
     except FileNotFoundError:
         return
-    _deleter().put(gone)
+    with _discard_lock:
+        _discarded.append(gone)
+        if _deleting is None:
+            _deleting = threading.Thread(target=_delete_discarded, name="discard", daemon=True)
+            _deleting.start()
 
 
-@functools.cache
-def _deleter() -> queue.SimpleQueue[Path]:
-    paths: queue.SimpleQueue[Path] = queue.SimpleQueue()
-    threading.Thread(target=_delete, args=(paths,), name="discard", daemon=True).start()
-    return paths
+def wait_discarded(timeout: float | None = None) -> None:
+    """Until what was discarded so far is deleted: a stop leaves no thread of its own behind."""
+    with _discard_lock:
+        thread = _deleting
+    if thread is not None:
+        thread.join(timeout)
 
 
-def _delete(paths: queue.SimpleQueue[Path]) -> None:
+_discard_lock = threading.Lock()
+_discarded: list[Path] = []  # moved into a trash, not deleted yet
+_deleting: threading.Thread | None = None  # the thread deleting them, while there are any
+
+
+def _delete_discarded() -> None:
+    global _deleting
     while True:
-        path = paths.get()
+        with _discard_lock:
+            if not _discarded:
+                _deleting = None
+                return
+            path = _discarded.pop(0)
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:

@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from fedmq.common import statefiles
 from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
@@ -131,6 +132,7 @@ class EmbeddedCluster:
             thread.join(wait)
         for learner in self.learners:
             learner.close()
+        statefiles.wait_discarded(wait)  # the aggregator's deletions of closed rounds' files
 
     def services(self) -> list[tuple[str, SchedulerService | AggregatorService | LearnerService]]:
         return [

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import subprocess
-import time
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,8 +123,15 @@ def test_a_discarded_file_or_folder_is_gone_at_once_and_deleted_soon(tmp_path: P
     statefiles.discard(file, trash)
     statefiles.discard(tmp_path / "never-there", trash)  # nothing to do
     assert not folder.exists() and not file.exists()
-    deadline = time.monotonic() + 10
-    while list(trash.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    statefiles.wait_discarded(10)
     assert list(trash.iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == [".trash"]
+
+
+def test_the_thread_that_deletes_discarded_files_ends_when_they_are_deleted(tmp_path: Path) -> None:
+    for i in range(5):
+        (tmp_path / f"f{i}").write_bytes(b"z" * 10)
+        statefiles.discard(tmp_path / f"f{i}", tmp_path / ".trash")
+    statefiles.wait_discarded(10)
+    assert list((tmp_path / ".trash").iterdir()) == []
+    assert not any(t.name == "discard" for t in threading.enumerate())
