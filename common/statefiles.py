@@ -115,12 +115,19 @@ def commit(staged: list[tuple[Path, Path]], sync: bool = True) -> None:
 
 
 def move_into(src: Path, dest: Path, sync: bool = True) -> None:
-    """Move a file that is already durable (fsynced when written) to `dest`, durably."""
+    """Move a file that is already durable (fsynced when written) to `dest`, durably. If the
+    folder's fsync fails, the file goes back to `src`: a retry finds it where it was (a spooled
+    update handled again) and moves it again."""
     with writing(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(src, dest)
         if sync:
-            fsync_dir(dest.parent)
+            try:
+                fsync_dir(dest.parent)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.replace(dest, src)
+                raise
 
 
 def fsync_dir(path: Path) -> None:
@@ -138,11 +145,12 @@ def discard(path: Path, trash: Path) -> None:
     Freeing a large file's blocks takes tens of milliseconds (ext4, 200 MB): a round's close, which
     its learners wait for, need not. The thread ends once nothing is left to delete."""
     global _deleting
-    trash.mkdir(parents=True, exist_ok=True)
     gone = trash / uuid.uuid4().hex
     try:
+        trash.mkdir(parents=True, exist_ok=True)
         os.replace(path, gone)
-    except FileNotFoundError:
+    except OSError:  # nothing there; or a full disk (the trash's folder): deleted now, as before
+        _delete(path)
         return
     with _discard_lock:
         _discarded.append(gone)
@@ -172,9 +180,15 @@ def _delete_discarded() -> None:
                 _deleting = None
                 return
             path = _discarded.pop(0)
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
+        _delete(path)
+
+
+def _delete(path: Path) -> None:
+    """Delete a file or folder, whatever is left: the owner's start empties its trash again."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
 
 

@@ -142,7 +142,10 @@ class TaskRuntime:
             if bad := _non_finite(model.state_dict()):
                 raise _diverged(bad)
             extras = check_tensor_map(result.extras, "TrainResult.extras")
-        return TrainResult(result.num_examples, metrics, {k: v.detach().cpu() for k, v in extras.items()})
+        # Copies, never views of the model or the Task's own state: the update travels after the
+        # next client trains (the in-memory bus reads an owned update's parts on its consumer's thread).
+        private = {k: v.detach().to("cpu", copy=True) for k, v in extras.items()}
+        return TrainResult(result.num_examples, metrics, private)
 
     def train_group(
         self, model: nn.Module, datas: list[ClientData], ctxs: list[TrainContext]

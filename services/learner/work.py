@@ -67,7 +67,8 @@ class JobContext:
     runtime: TaskRuntime
     model: nn.Module
     lent: bool = False  # the model's tensors went out in an update: it gets fresh ones before its next load
-    # On an accelerator: the global model last loaded (by digest), a copy in the device's memory.
+    # On an accelerator: the global model last loaded (by digest), a copy in the device's memory
+    # (Work keeps one for the job it worked on last only).
     on_device: tuple[str, dict[str, torch.Tensor]] | None = None
 
     def load(
@@ -78,24 +79,25 @@ class JobContext:
         A model on an accelerator keeps a copy of the global model `digest` there, from which the
         round's next clients load it (a copy within the device) instead of from the host: a large
         model's file read again for each client took 0.16 s of a 202 MB model's load on an H200,
-        against 0.03 s from host memory. It costs the device one model's memory, not the host."""
+        against 0.03 s from host memory. It costs the device one model's memory, not the host; a
+        device too full for it loads from the host, as before."""
         if self.lent:
             for tensor in self.model.state_dict(keep_vars=True).values():
                 tensor.data = torch.empty_like(tensor)  # the update keeps the old ones, unchanged
             self.lent = False
-        state = self.model.state_dict()
-        if digest is None or all(t.device.type == "cpu" for t in state.values()):
-            load_global(self.model, weights, server_round, client)
-            return
         if self.on_device is not None and self.on_device[0] == digest:
-            with torch.no_grad():
-                for name, tensor in state.items():
-                    tensor.copy_(self.on_device[1][name])
+            self.model.load_state_dict(self.on_device[1])
             return
         self.on_device = None  # the last round's copy goes before this one is made
         load_global(self.model, weights, server_round, client)
-        with torch.no_grad():
-            self.on_device = (digest, {name: tensor.detach().clone() for name, tensor in state.items()})
+        state = self.model.state_dict()
+        if digest is None or all(t.device.type == "cpu" for t in state.values()):
+            return
+        try:
+            with torch.no_grad():
+                self.on_device = (digest, {name: tensor.detach().clone() for name, tensor in state.items()})
+        except torch.OutOfMemoryError:
+            log.info("global_model_not_kept_on_device", detail="the device is too full for a copy")
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         """The trained model's tensors for its update, which the bus may still be sending (a publish
@@ -428,6 +430,9 @@ class Work:
             log.info("job_loaded", spec=canonical_json(spec)[:200])
         else:
             self._jobs.move_to_end(job_id)
+        for other in self._jobs.values():  # one global model kept on an accelerator: this job's
+            if other is not job:
+                other.on_device = None
         return job
 
     def _client_data(self, job: JobContext, job_id: str, client: int) -> ClientData:

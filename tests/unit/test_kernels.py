@@ -407,8 +407,9 @@ def test_weighted_mean_of_stored_updates_is_bit_identical_to_the_same_in_memory(
     stored = mean.WeightedMean(zip(files, weights, strict=True))
     expected = weighted_mean(zip(states, weights, strict=True))
     for name, tensor in expected.items():
-        assert torch.equal(stored[name], tensor) and stored[name].dtype == tensor.dtype
-        assert stored[name].data_ptr() != stored[name].data_ptr()  # a fresh tensor each read
+        first, again = stored[name], stored[name]
+        assert torch.equal(first, tensor) and first.dtype == tensor.dtype
+        assert torch.equal(again, tensor) and first.data_ptr() != again.data_ptr()  # a fresh tensor each read
     assert all(torch.equal(file["w"], state["w"]) for file, state in zip(files, states, strict=True))
 
 

@@ -135,3 +135,43 @@ def test_the_thread_that_deletes_discarded_files_ends_when_they_are_deleted(tmp_
     statefiles.wait_discarded(10)
     assert list((tmp_path / ".trash").iterdir()) == []
     assert not any(t.name == "discard" for t in threading.enumerate())
+
+
+def test_a_discard_whose_trash_cannot_be_made_deletes_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "updates" / "r3"
+    folder.mkdir(parents=True)
+    (folder / "c0.msg").write_bytes(b"x")
+    real_mkdir = Path.mkdir
+
+    def full(self: Path, *args: object, **kwargs: object) -> None:
+        if self.name == ".trash":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", full)
+    statefiles.discard(folder, tmp_path / ".trash")
+    assert not folder.exists() and not (tmp_path / ".trash").exists()
+
+
+def test_a_move_whose_folder_cannot_be_synced_leaves_the_file_where_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, dest = tmp_path / "spool" / "a.msg", tmp_path / "updates" / "r1" / "c0.msg"
+    src.parent.mkdir()
+    src.write_bytes(b"update")
+    real_fsync_dir = statefiles.fsync_dir
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def fsync_dir(path: Path) -> None:
+        if failures:
+            raise failures.pop()
+        real_fsync_dir(path)
+
+    monkeypatch.setattr(statefiles, "fsync_dir", fsync_dir)
+    with pytest.raises(StateUnwritable):
+        statefiles.move_into(src, dest)
+    assert src.read_bytes() == b"update" and not dest.exists()  # as before: a retry moves it again
+    statefiles.move_into(src, dest)
+    assert dest.read_bytes() == b"update" and not src.exists()

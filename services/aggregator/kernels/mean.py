@@ -7,10 +7,11 @@ so that the result is the same whatever order the updates arrived in.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -21,6 +22,7 @@ from fedmq.common.errors import AggregationError
 StateDict = dict[str, torch.Tensor]
 READ_AHEAD = 2  # results' tensors read from their files while one is folded (each one tensor more)
 READ_AHEAD_BYTES = 1024 * 1024  # smaller tensors are read one after another: a thread costs more
+READ_AHEAD_HELD = 64 * 1024 * 1024  # at most this much read ahead: a 1 GB embedding is read alone
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -48,9 +50,9 @@ class WeightedMean(Mapping[str, torch.Tensor]):
     one twice computes it twice.
 
     Results read from files (TensorFile: the aggregator's stored updates) have a large tensor read
-    ahead, READ_AHEAD results at a time, on other threads while one is folded (a read is a copy
-    out of the page cache, most of a fold's time); their reads are fresh tensors, so the first
-    becomes the sum without a copy.
+    ahead, READ_AHEAD results at a time (at most READ_AHEAD_HELD bytes), on other threads while one
+    is folded (a read is a copy out of the page cache, most of a fold's time); their reads are
+    fresh tensors, so the first becomes the sum without a copy.
     """
 
     def __init__(self, results: Iterable[tuple[Mapping[str, torch.Tensor], float]]) -> None:
@@ -70,7 +72,10 @@ class WeightedMean(Mapping[str, torch.Tensor]):
         self._files = all(isinstance(state, TensorFile) for state, _ in self._results)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        tensors = self._tensors(name)
+        with contextlib.closing(self._tensors(name)) as tensors:  # a failure drops the reads ahead
+            return self._fold(name, tensors)
+
+    def _fold(self, name: str, tensors: Iterator[torch.Tensor]) -> torch.Tensor:
         weights = (weight for _, weight in self._results)
         tensor = next(tensors)
         dtype = tensor.dtype
@@ -88,13 +93,15 @@ class WeightedMean(Mapping[str, torch.Tensor]):
             acc.round_()
         return acc.to(dtype)
 
-    def _tensors(self, name: str) -> Iterator[torch.Tensor]:
+    def _tensors(self, name: str) -> Generator[torch.Tensor]:
         """Each result's tensor `name`, in the results' order."""
         states = [state for state, _ in self._results]
         if self._files and len(states) > 1:
             dtype, shape = states[0].meta(name)  # type: ignore[attr-defined]
-            if math.prod(shape) * dtype.itemsize >= READ_AHEAD_BYTES:
-                return _read_ahead(states, name)
+            size = math.prod(shape) * dtype.itemsize
+            ahead = min(READ_AHEAD, READ_AHEAD_HELD // max(size, 1))
+            if size >= READ_AHEAD_BYTES and ahead > 0:
+                return _read_ahead(states, name, ahead)
         return (state[name] for state in states)
 
     def __iter__(self) -> Iterator[str]:
@@ -107,15 +114,14 @@ class WeightedMean(Mapping[str, torch.Tensor]):
         return name in self._results[0][0]  # Mapping's default would compute the tensor
 
 
-def _read_ahead(states: list[Mapping[str, torch.Tensor]], name: str) -> Iterator[torch.Tensor]:
-    """states[i][name] for each i in order, READ_AHEAD of them being read on other threads meanwhile.
+def _read_ahead(states: list[Mapping[str, torch.Tensor]], name: str, ahead: int) -> Generator[torch.Tensor]:
+    """states[i][name] for each i in order, `ahead` of them being read on other threads meanwhile.
     A read that fails raises here, in order; the reads not yet begun are dropped."""
     pool, waiting = _readers(), deque[Future[torch.Tensor]]()
-    ahead = iter(states)
     try:
-        for state in ahead:
+        for state in states:
             waiting.append(pool.submit(state.__getitem__, name))
-            if len(waiting) > READ_AHEAD:
+            if len(waiting) > ahead:
                 yield waiting.popleft().result()  # no reference kept here once folded
         while waiting:
             yield waiting.popleft().result()
