@@ -8,11 +8,13 @@ may be called from any thread.
 
 from __future__ import annotations
 
+import os
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from fedmq.common.codec.pack import Encoded
 
@@ -50,6 +52,23 @@ class Delivery(ABC):
         """Not settled, and still this consumer's: False once its connection is gone (the broker
         gives it again, to whoever consumes next), so work kept for it later may be dropped."""
         return True
+
+
+def spool_file(spool: Path, fill: Callable[[BinaryIO], object], sync: bool) -> Path:
+    """A new file in `spool` that `fill` writes (a large message received into a file), on disk
+    before this returns when `sync`; a failure leaves no file."""
+    spool.mkdir(parents=True, exist_ok=True)
+    path = spool / f"{uuid.uuid4().hex}.msg"
+    try:
+        with open(path, "wb") as f:
+            fill(f)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
 
 
 Handler = Callable[[Delivery], None]

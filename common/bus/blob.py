@@ -30,7 +30,6 @@ back before it counts them again.
 from __future__ import annotations
 
 import hashlib
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +39,7 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
+from fedmq.common.bus.base import spool_file
 from fedmq.common.bus.topology import BLOBS
 from fedmq.common.codec.pack import Encoded
 
@@ -220,18 +220,7 @@ class BlobReader:
         """A blob's chunks, in order, written to a new file in `spool`: memory holds one chunk.
         `sync`: on disk before this returns (a message acked once handled), else a cache's file."""
         self._size(headers)
-        spool.mkdir(parents=True, exist_ok=True)
-        path = spool / f"{uuid.uuid4().hex}.msg"
-        try:
-            with open(path, "wb") as f:
-                self._collect(headers, f.write, tags)
-                f.flush()
-                if sync:
-                    os.fsync(f.fileno())
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        return path
+        return spool_file(spool, lambda f: self._collect(headers, f.write, tags), sync)
 
     def requeue(self, tags: list[int]) -> None:
         """Give back the chunks we took, before their envelope goes back to its queue."""

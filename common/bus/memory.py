@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-import os
 import queue
 import threading
 import time
@@ -32,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from fedmq.common.bus.base import Body, Bus, Delivery, EventHandler, Handler, Timer, topic_matches
+from fedmq.common.bus.base import Body, Bus, Delivery, EventHandler, Handler, Timer, spool_file, topic_matches
 from fedmq.common.codec.pack import Encoded
 
 log = structlog.get_logger(__name__)
@@ -357,7 +356,9 @@ class MemoryBus(Bus):
         body, spool = delivery._message.body, delivery._consumer.spool
         if spool is not None and _size(body) > self.broker.frame_bytes:
             try:
-                delivery.body_path, delivery.body = _spool_file(spool, body, self.broker.fsync), b""
+                parts = body.parts if isinstance(body, Encoded) else [body]  # written as they are: no join
+                delivery.body_path = spool_file(spool, lambda f: f.writelines(parts), self.broker.fsync)
+                delivery.body = b""
                 return
             except OSError as exc:  # the consumer's disk: in memory, where its own store says so
                 log.warning("spool_unwritable", queue=delivery.queue, error=str(exc)[:300])
@@ -370,22 +371,6 @@ def _size(body: bytes | Encoded) -> int:
 
 def _joined(body: bytes | Encoded) -> bytes:
     return body.join() if isinstance(body, Encoded) else body
-
-
-def _spool_file(folder: Path, body: bytes | Encoded, sync: bool) -> Path:
-    """The body in a new file in `folder` (fsynced if `sync`), written from its parts: no join."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{uuid.uuid4().hex}.msg"
-    try:
-        with open(path, "wb") as f:
-            f.writelines(body.parts if isinstance(body, Encoded) else [body])
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _guarded(callback: Callable[[], None]) -> None:
