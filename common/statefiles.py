@@ -116,8 +116,8 @@ def commit(staged: list[tuple[Path, Path]], sync: bool = True) -> None:
 
 def move_into(src: Path, dest: Path, sync: bool = True) -> None:
     """Move a file that is already durable (fsynced when written) to `dest`, durably. If the
-    folder's fsync fails, the file goes back to `src`: a retry finds it where it was (a spooled
-    update handled again) and moves it again."""
+    folder's fsync fails, the file is at `dest` and linked back at `src` too: a retry finds it
+    where it was (a spooled update handled again: stored now, a duplicate)."""
     with writing(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(src, dest)
@@ -126,7 +126,7 @@ def move_into(src: Path, dest: Path, sync: bool = True) -> None:
                 fsync_dir(dest.parent)
             except OSError:
                 with contextlib.suppress(OSError):
-                    os.replace(dest, src)
+                    os.link(dest, src)
                 raise
 
 
@@ -156,7 +156,12 @@ def discard(path: Path, trash: Path) -> None:
         _discarded.append(gone)
         if _deleting is None:
             _deleting = threading.Thread(target=_delete_discarded, name="discard", daemon=True)
-            _deleting.start()
+            try:
+                _deleting.start()
+            except RuntimeError:  # no thread to be had: deleted now, as before
+                _deleting = None
+                _discarded.remove(gone)
+                _delete(gone)
 
 
 def wait_discarded(timeout: float | None = None) -> None:
@@ -185,7 +190,7 @@ def _delete_discarded() -> None:
 
 def _delete(path: Path) -> None:
     """Delete a file or folder, whatever is left: the owner's start empties its trash again."""
-    if path.is_dir():
+    if os.path.isdir(path):  # never raises
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(OSError):
