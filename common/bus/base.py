@@ -73,7 +73,8 @@ def spool_file(spool: Path, fill: Callable[[BinaryIO], object], sync: bool) -> P
 
 Handler = Callable[[Delivery], None]
 # What may be published: bytes, or an encoding still in its parts (a large message is sent from
-# them chunk by chunk, never joined; its tensors must not change until publish returns).
+# them chunk by chunk, never joined; its tensors must not change until publish returns, or ever
+# when it is owned: the in-memory bus then reads them on the consumer's thread).
 Body = bytes | Encoded
 EventHandler = Callable[[bytes], None]
 
