@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import threading
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +25,7 @@ from fedmq.common.bus.blob import (
     BlobReader,
     BlobWriter,
     DecodeBlobError,
+    _InOrder,
 )
 from fedmq.common.codec.pack import Encoded
 
@@ -313,3 +316,23 @@ def test_an_envelope_the_broker_refuses_deletes_its_blob_queue() -> None:
 def test_an_envelope_lost_before_its_confirm_keeps_its_blob_for_the_reader() -> None:
     ch = FailingChannel(9, pika.exceptions.StreamLostError("gone"), stays_open=False)
     assert publish_failing(ch) == [] and len(ch.queues[next(iter(ch.queues))]) == 8
+
+
+def test_chunks_are_taken_in_order_on_one_other_thread_and_its_failure_reaches_the_reader() -> None:
+    taken: list[tuple[bytes, str]] = []
+    with _InOrder() as behind:
+        for i in range(40):
+            behind.do(lambda chunk: taken.append((chunk, threading.current_thread().name)), bytes([i]))
+        behind.wait()
+    assert [chunk for chunk, _ in taken] == [bytes([i]) for i in range(40)]
+    assert {name for _, name in taken} != {threading.current_thread().name}
+
+    def full(chunk: bytes) -> None:
+        if chunk == b"\x03":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"), _InOrder() as behind:
+        for i in range(100):
+            behind.do(full, bytes([i]))
+        behind.wait()
+    assert not any(t.name.startswith("blob-chunks") for t in threading.enumerate())
