@@ -250,7 +250,8 @@ class BlobReader:
         return b"".join(chunks)
 
     def read_to_file(self, headers: dict[str, Any], spool: Path, tags: list[int], sync: bool = True) -> Path:
-        """A blob's chunks, in order, written to a new file in `spool`: memory holds one chunk.
+        """A blob's chunks, in order, written to a new file in `spool`: memory holds a few chunks
+        (_InOrder.AHEAD waiting to be written, and the one read).
         `sync`: on disk before this returns (a message acked once handled), else a cache's file."""
         self._size(headers)
         return spool_file(spool, lambda f: self._collect(headers, f.write, tags), sync)
