@@ -33,11 +33,12 @@ import structlog
 
 from fedmq.common.bus.base import Body, Bus, Delivery, EventHandler, Handler, Timer, spool_file, topic_matches
 from fedmq.common.codec.pack import Encoded
+from fedmq.common.settings import Settings
 
 log = structlog.get_logger(__name__)
 
 REPLY_PREFIX = "reply."
-FRAME_BYTES = 4 * 1024 * 1024  # Settings.frame_bytes' default: larger bodies are spooled
+FRAME_BYTES: int = Settings.model_fields["frame_bytes"].default  # larger bodies are spooled
 
 
 @dataclass
