@@ -61,20 +61,7 @@ lint: $(STAMP)
 	$(BIN)/mypy -p fedmq -p tests
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/codec.py
-	$(BIN)/python benchmarks/embedded.py
-	$(BIN)/python benchmarks/round_overhead.py
-	$(BIN)/python benchmarks/job_length.py
-	$(BIN)/python benchmarks/large_model.py
-	$(BIN)/python benchmarks/transfer.py
-	$(BIN)/python benchmarks/strategies.py
-	$(BIN)/python benchmarks/robust_memory.py
-	$(BIN)/python benchmarks/fused.py
-	$(BIN)/python benchmarks/fused_run.py
-	$(BIN)/python benchmarks/many_clients.py
-	$(BIN)/python benchmarks/first_round.py
-	$(BIN)/python benchmarks/gpu_round.py --rounds 3
-	$(BIN)/python benchmarks/learner_scaling.py --learners 1,2
+	$(BIN)/python benchmarks/all.py
 
 clean:
 	rm -rf $(VENV) .fedmq .pytest_cache .mypy_cache .hypothesis

@@ -30,6 +30,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from targets import emit  # noqa: E402 - benchmarks/, the script's own folder
+
 from fedmq.common.jobspec import JobSpec, parse_job  # noqa: E402
 from fedmq.common.logging import configure_logging  # noqa: E402
 from fedmq.common.seeding import torch_generator  # noqa: E402
@@ -144,6 +146,12 @@ def main() -> None:
     report["train_over_plain_train"] = round(report["train_s_median"] / report["plain_train_s"], 2)
     report["target_outside_training_s"] = 1.0
     print(json.dumps(report, indent=2))
+    emit(f"gpu_round_outside_training_{args.bus}",
+         f"a {report['model_mb']} MB model's round of {args.clients} clients on {report['device']}, "
+         f"{args.bus}: time outside training; baseline: the whole round",
+         figure=report["outside_training_s_median"], baseline=report["round_s_median"],
+         unit="s a round", at_most=1.0, on="figure",
+         applies=device.type == "cuda", why_not="the goal is for a GPU; this ran on the CPU")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from targets import emit  # noqa: E402 - benchmarks/, the script's own folder
+
 from tests.e2e.cluster import cluster  # noqa: E402
 
 MiB = 1024 * 1024
@@ -124,6 +126,14 @@ def main() -> None:
         "submit_to_done_s": round(wall, 1),
         "clean_exit": all(code == 0 for code in codes.values()),
     }, indent=2))
+    model_mib = model_bytes / MiB
+    emit("aggregator_peak_over_warm", "the aggregator's peak RSS over its warm idle RSS, one round of "
+         f"{args.clients} updates (FedAvg), against the model's size", figure=(peak - warm) / 1024,
+         baseline=model_mib, unit="MiB", at_most=1.5)
+    top = max(range(len(learner_peaks)), key=lambda i: learner_peaks[i] - learner_warm[i])
+    emit("learner_peak_over_warm", "the most-grown learner's peak RSS over its warm idle RSS, against "
+         "the model's size", figure=(learner_peaks[top] - learner_warm[top]) / 1024, baseline=model_mib,
+         unit="MiB", at_most=2.0)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from round_overhead import on_rabbitmq  # noqa: E402 - its clock of job events, on real processes
+from targets import emit  # noqa: E402 - benchmarks/, the script's own folder
 
 from fedmq.common.jobspec import JobSpec, parse_job  # noqa: E402
 from fedmq.common.logging import configure_logging  # noqa: E402
@@ -59,6 +60,12 @@ def main() -> None:
     for row in report["runs"].values():
         row["throughput_over_first"] = round(row["clients_per_s"] / first, 2)
     print(json.dumps(report, indent=2))
+    most = max(report["runs"], key=int)
+    emit("learner_scaling", f"clients trained a second by {most} learner processes against by "
+         f"{args.learners.split(',')[0]}, RabbitMQ, {args.clients} clients a round",
+         figure=report["runs"][most]["clients_per_s"], baseline=first, unit="clients a second",
+         at_least=6.0, applies=most == "8" and (os.cpu_count() or 0) >= 16,
+         why_not="the goal is 8 learners on 16 cores")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from targets import emit  # noqa: E402 - benchmarks/, the script's own folder
+
 from fedmq.common.jobspec import JobSpec, load_job  # noqa: E402
 from fedmq.common.logging import configure_logging  # noqa: E402
 from fedmq.common.messages import JobEvent, JobSubmit  # noqa: E402
@@ -30,6 +32,11 @@ from fedmq.services.cli.embedded import new_job_id, run_job  # noqa: E402
 from fedmq.services.cli.remote import Remote  # noqa: E402
 from tests.e2e.cluster import cluster  # noqa: E402
 from tests.reference import reference_fedavg  # noqa: E402
+
+# Issue 16's goals at 10 and at 100 clients a round: the round over the plain loop's, each bus;
+# at 10, also the overhead of one client update (seconds).
+ROUND_GOALS = {10: {"rabbitmq": 3.0, "in_memory": 1.5}, 100: {"rabbitmq": 2.5, "in_memory": 1.5}}
+UPDATE_GOALS_S = {"rabbitmq": 0.0015, "in_memory": 0.0005}
 
 
 class Clock:
@@ -107,6 +114,24 @@ def main() -> None:
             report[bus]["round_s_median"] - report["plain_loop_baseline_round_s_median"], 4
         )
     print(json.dumps(report, indent=2))
+    emit_targets(report, spec.clients.sampled)
+
+
+def emit_targets(report: dict[str, Any], clients: int) -> None:
+    """The target lines: each bus's steady round over the plain loop; at 10 clients, per update."""
+    plain = report["plain_loop_baseline_round_s_median"]
+    goals = ROUND_GOALS.get(clients)
+    for bus in ("rabbitmq", "in_memory"):
+        emit(f"round_{clients}_clients_{bus}",
+             f"steady round, {clients} clients a round, 1 SGD step each, {bus} / the plain loop",
+             figure=report[bus]["round_s_median"], baseline=plain, unit="s a round",
+             at_most=goals[bus] if goals else 1.0, applies=goals is not None,
+             why_not="the issue's goals are for 10 and 100 clients a round")
+        if clients == 10:
+            emit(f"overhead_per_update_{bus}",
+                 f"(round - plain loop's round) / clients, {bus}; baseline: the plain loop's time a client",
+                 figure=report[bus]["overhead_per_round_s"] / clients, baseline=plain / clients,
+                 unit="s an update", at_most=UPDATE_GOALS_S[bus], on="figure")
 
 
 if __name__ == "__main__":

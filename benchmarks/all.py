@@ -1,0 +1,123 @@
+"""`make bench`: every benchmark in turn, their output as it comes, then issue 16's targets gathered.
+
+Each benchmark prints its full report, then one JSON line per target it measures (targets.py).
+At the end this prints those lines again, together, and the same as a Markdown table headed with
+the date and the machine, for the README's performance section. A benchmark that fails is named
+and the others still run; the exit status is then 1.
+
+Usage: python benchmarks/all.py [--only NAME[,NAME...]]   (NAME: a benchmark's file, no .py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from targets import parse
+
+HERE = Path(__file__).resolve().parent
+
+# (file, arguments): the order runs the quick ones first.
+BENCHMARKS: list[tuple[str, list[str]]] = [
+    ("codec", []),
+    ("embedded", []),
+    ("round_overhead", []),
+    ("round_overhead", ["--clients", "100", "--rounds", "12"]),
+    ("job_length", []),
+    ("first_round", []),
+    ("large_model", []),
+    ("transfer", []),
+    ("strategies", []),
+    ("robust_memory", []),
+    ("fused", []),
+    ("fused_run", []),
+    ("many_clients", []),
+    ("gpu_round", ["--rounds", "3"]),
+    ("learner_scaling", ["--learners", "1,2"]),
+]
+
+
+def machine() -> str:
+    """CPU model and cores, and the GPU where torch sees one."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            text += f", {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    return text
+
+
+def run(name: str, args: list[str]) -> tuple[int, list[dict[str, object]]]:
+    """Run one benchmark, echoing its output; its exit status and target lines."""
+    print(f"\n== {name} {' '.join(args)}", flush=True)
+    found: list[dict[str, object]] = []
+    with subprocess.Popen([sys.executable, str(HERE / f"{name}.py"), *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, cwd=HERE.parent) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            if (target := parse(line)) is not None:
+                found.append({**target, "benchmark": " ".join([f"{name}.py", *args])})
+        sys.stdout.flush()
+    return proc.returncode, found
+
+
+def table(targets: list[dict[str, object]]) -> str:
+    rows = ["| target | figure | baseline | ratio | goal | met |", "|---|---|---|---|---|---|"]
+    for t in targets:
+        met = {True: "**yes**", False: "no", None: "n/a"}[t["met"]]  # type: ignore[index]
+        rows.append(f"| {t['target']} ({t['what']}; `{t['benchmark']}`) | {t['figure']} {t['unit']} | "
+                    f"{t['baseline']} {t['unit']} | {t['ratio']} | {t['goal']} | {met} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="comma-separated benchmark names")
+    only = {n for n in parser.parse_args().only.split(",") if n}
+    unknown = only - {name for name, _ in BENCHMARKS}
+    if unknown:
+        raise SystemExit(f"no benchmark named {', '.join(sorted(unknown))}; "
+                         f"these exist: {', '.join(sorted({name for name, _ in BENCHMARKS}))}")
+    began = time.time()
+    failed: list[str] = []
+    targets: list[dict[str, object]] = []
+    for name, args in BENCHMARKS:
+        if only and name not in only:
+            continue
+        code, found = run(name, args)
+        targets += found
+        if code != 0:
+            failed.append(f"{name} {' '.join(args)} (exit {code})".replace("  ", " "))
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"\n== issue 16's targets, {when}, {machine()}, {time.time() - began:.0f} s")
+    for target in targets:
+        print(json.dumps(target))
+    print()
+    print(table(targets))
+    if failed:
+        print(f"\nfailed: {'; '.join(failed)}")
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
