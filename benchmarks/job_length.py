@@ -4,9 +4,10 @@ One embedded job (the scheduler's durable store is the same SQLite as on RabbitM
 10 clients a round and one SGD step each (about zero compute), 600 rounds. Figure: the median
 round time over rounds 580-600; baseline: the median over rounds 10-30 of the same run.
 Two windows a minute apart also see whatever else the machine did in each, so the report adds
-the trend of every round's time (Theil-Sen: the median of the slopes between all pairs of rounds,
-which a burst of slow rounds barely moves): the trend's round 600 against its round 10. That
-ratio is the target line's. Prints one JSON object, then the target's line. Target: <= 1.1.
+the trend of every round's time from round 10 (Theil-Sen: the median of the slopes between all
+pairs of rounds, which a burst of slow rounds barely moves) as a second reading. The target line
+judges the windows, as the goal is written: a trend over 600 rounds would hide a slowdown of
+only the last few dozen. Prints one JSON object, then the target's line. Target: <= 1.1.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main() -> None:
     late_from = args.rounds - 20
     early = statistics.median(per_round[r] for r in range(10, 31))
     late = statistics.median(per_round[r] for r in range(late_from, args.rounds) if r in per_round)
-    first, last = trend(per_round, 10, args.rounds)
+    first, last = trend({r: t for r, t in per_round.items() if r >= 10}, 10, args.rounds)  # 1-9 warm up
     print(json.dumps({
         "benchmark": "job_length", "rounds": args.rounds,
         "round_s_late": round(late, 5), "baseline_round_s_early": round(early, 5),
@@ -65,9 +66,9 @@ def main() -> None:
         "trend_ratio": round(last / first, 3), "target_ratio": 1.1,
     }))
     emit("round_600_vs_round_10",
-         f"round {args.rounds} against round 10 of one job, embedded, on the trend of all its rounds' times "
-         f"(the windows' medians: {late / early:.3f})",
-         figure=last, baseline=first, unit="s a round", at_most=1.1)
+         f"median round of the last 20 of {args.rounds} against that of rounds 10-30, embedded (on the "
+         f"Theil-Sen trend of rounds 10-{args.rounds}: {last / first:.3f})",
+         figure=late, baseline=early, unit="s a round", at_most=1.1)
 
 
 def trend(per_round: dict[int, float], first: int, last: int) -> tuple[float, float]:

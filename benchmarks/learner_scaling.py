@@ -60,12 +60,13 @@ def main() -> None:
     for row in report["runs"].values():
         row["throughput_over_first"] = round(row["clients_per_s"] / first, 2)
     print(json.dumps(report, indent=2))
-    most = max(report["runs"], key=int)
-    emit("learner_scaling", f"clients trained a second by {most} learner processes against by "
-         f"{args.learners.split(',')[0]}, RabbitMQ, {args.clients} clients a round",
-         figure=report["runs"][most]["clients_per_s"], baseline=first, unit="clients a second",
-         at_least=6.0, applies=most == "8" and (os.cpu_count() or 0) >= 16,
-         why_not="the goal is 8 learners on 16 cores")
+    runs, most = report["runs"], max(report["runs"], key=int)
+    if "1" in runs:  # the goal: 8 learners against one, 40 clients a round, on 16 cores
+        emit("learner_scaling", f"clients trained a second by {most} learner processes against by one, "
+             f"RabbitMQ, {args.clients} clients a round", figure=runs[most]["clients_per_s"],
+             baseline=runs["1"]["clients_per_s"], unit="clients a second", at_least=6.0,
+             applies=most == "8" and args.clients == 40 and (os.cpu_count() or 0) >= 16,
+             why_not="the goal is 8 learners against one, 40 clients a round, on 16 cores")
 
 
 if __name__ == "__main__":

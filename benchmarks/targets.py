@@ -17,6 +17,7 @@ import math
 from typing import Literal
 
 TARGET_KEY = "target"
+KEYS = (TARGET_KEY, "what", "figure", "baseline", "ratio", "unit", "goal", "met")
 
 
 def emit(
@@ -63,7 +64,7 @@ def parse(line: str) -> dict[str, object] | None:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
-    return value if isinstance(value, dict) else None
+    return value if isinstance(value, dict) and all(key in value for key in KEYS) else None
 
 
 def _rounded(x: float) -> float:

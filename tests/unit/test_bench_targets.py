@@ -60,3 +60,24 @@ def test_other_output_lines_are_not_targets() -> None:
     for line in ['{"benchmark": "job_length", "ratio": 1.0}', "{", "2026-11-26 [info] bus_stats",
                  '{"target": "broken', ""]:
         assert targets.parse(line) is None
+
+
+def test_a_line_missing_a_field_is_not_a_target() -> None:
+    assert targets.parse('{"target": "x", "met": true}') is None
+
+
+def test_the_table_keeps_a_bar_inside_its_cell(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gather = _load("all")
+    line = targets.emit("t", "a | b", figure=2.0, baseline=1.0, unit="s", at_most=3.0)
+    row = gather.table([{**line, "benchmark": "x.py"}]).splitlines()[-1]
+    assert row.count(" | ") == 5 and "a \\| b" in row and row.endswith("| **yes** |")
+
+
+def test_the_job_length_trend_is_the_line_through_most_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    job_length = _load("job_length")
+    rounds = {r: 0.05 + 0.0001 * r for r in range(10, 600)}
+    rounds |= {r: 1.0 for r in range(300, 320)}  # a burst of slow rounds: not the trend
+    first, last = job_length.trend(rounds, 10, 600)
+    assert first == pytest.approx(0.051) and last == pytest.approx(0.11)
