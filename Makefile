@@ -60,7 +60,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy -p fedmq -p tests
 
-bench: $(STAMP)
+bench: $(STAMP) broker
 	$(BIN)/python benchmarks/all.py
 
 clean:
