@@ -81,3 +81,23 @@ def test_the_job_length_trend_is_the_line_through_most_rounds(monkeypatch: pytes
     rounds |= {r: 1.0 for r in range(300, 320)}  # a burst of slow rounds: not the trend
     first, last = job_length.trend(rounds, 10, 600)
     assert first == pytest.approx(0.051) and last == pytest.approx(0.11)
+
+
+def test_a_benchmark_run_keeps_its_targets_through_a_bad_byte_and_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gather = _load("all")
+    line = '{"target": "t", "what": "w", "figure": 1, "baseline": 1, "ratio": 1, "unit": "s", ' \
+           '"goal": "ratio <= 1", "met": true}'
+    (tmp_path / "fake.py").write_text(
+        "import sys\n"
+        "sys.stdout.buffer.write(b'log \\xff\\n'); sys.stdout.flush()\n"
+        f"print({line!r})\n"
+        "sys.exit(3)\n"
+    )
+    monkeypatch.setattr(gather, "HERE", tmp_path)
+    code, found = gather.run("fake", ["--x"])
+    assert code == 3
+    assert found == [{**json.loads(line), "benchmark": "fake.py --x"}]
+    assert "log \ufffd" in capsys.readouterr().out  # shown as it came, the bad byte replaced
