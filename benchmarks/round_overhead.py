@@ -118,15 +118,16 @@ def main() -> None:
 
 
 def emit_targets(report: dict[str, Any], clients: int) -> None:
-    """The target lines: each bus's steady round over the plain loop; at 10 clients, per update."""
+    """The target lines: each bus's steady round over the plain loop; at 10 clients, per update.
+    None at a count of clients no goal names (as learner_scaling prints none without one learner)."""
     plain = report["plain_loop_baseline_round_s_median"]
     goals = ROUND_GOALS.get(clients)
+    if goals is None:
+        return
     for bus in ("rabbitmq", "in_memory"):
         emit(f"round_{clients}_clients_{bus}",
              f"steady round, {clients} clients a round, 1 SGD step each, {bus} / the plain loop",
-             figure=report[bus]["round_s_median"], baseline=plain, unit="s a round",
-             at_most=goals[bus] if goals else 1.0, applies=goals is not None,
-             why_not="the issue's goals are for 10 and 100 clients a round")
+             figure=report[bus]["round_s_median"], baseline=plain, unit="s a round", at_most=goals[bus])
         if clients == 10:
             emit(f"overhead_per_update_{bus}",
                  f"(round - plain loop's round) / clients, {bus}; baseline: the plain loop's time a client",
