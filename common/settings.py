@@ -166,6 +166,10 @@ class Settings(BaseSettings):
         0, ge=0, description="global checkpoints the aggregator keeps per job: the last N rounds' and the "
         "best round's (older pruned); 0 keeps every round's",
     )
+    checkpoint_every: int = Field(
+        10, ge=1, description="`fedmq run`: rounds between the engine's checkpoints (the last round's is "
+        "always written); --resume goes on from the newest",
+    )
     torch_threads: int = Field(
         0, ge=0, description="torch threads; 0: one per service process, a share of the cores in `fedmq run`"
     )

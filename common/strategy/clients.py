@@ -80,6 +80,14 @@ class ClientStore:
     def drop(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def version(self, client: int | str, server_round: int) -> dict[str, torch.Tensor]:
+        """The state `client` (or SHARED) was given at round `server_round` exactly."""
+        return load_state(self._path(client, server_round))[0]
+
+    def remove(self, client: int | str, server_round: int) -> None:
+        """Drop one version."""
+        self._path(client, server_round).unlink(missing_ok=True)
+
     def _newest(self, client: int | str, before: int) -> dict[str, torch.Tensor]:
         rounds = [r for r in self.versions(client) if r < before]
         return load_state(self._path(client, max(rounds)))[0] if rounds else {}

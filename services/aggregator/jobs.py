@@ -22,6 +22,9 @@ from fedmq.common.usercode import user_code
 from fedmq.services.aggregator.limits import DiskQuota, model_bytes
 from fedmq.services.aggregator.store import JobStore, weights_digest
 
+CLIENTS = "clients"  # the job folder's subfolder of the strategy's per-client state
+RESIDUALS = "residuals"  # and of topk's residuals
+
 
 @dataclass
 class AggJob:
@@ -47,6 +50,10 @@ class AggJob:
     disk: DiskQuota | None = None  # its state's disk against FEDMQ_JOB_DISK_BYTES (set by the service)
     stopped: str | None = None  # it passed a limit (limits.OverLimit): the job is over, for this reason
     unpruned: bool = True  # checkpoints never committed may lie on disk (service._prune looks once)
+    # Where per-client state lives: None, on disk beside the checkpoints (the aggregator); the
+    # in-process engine gives stores of its own that it writes to disk with its checkpoints.
+    client_store: ClientStore | None = None
+    residual_store: ClientStore | None = None
 
     @property
     def job_id(self) -> str:
@@ -55,12 +62,12 @@ class AggJob:
     @property
     def clients(self) -> ClientStore:
         """The strategy's per-client state, on disk beside the job's checkpoints."""
-        return ClientStore(self.store.root / "clients")
+        return self.client_store or ClientStore(self.store.root / CLIENTS)
 
     @property
     def residuals(self) -> ClientStore:
         """Each client's topk error-feedback residual (compression), kept apart from the strategy's state."""
-        return ClientStore(self.store.root / "residuals")
+        return self.residual_store or ClientStore(self.store.root / RESIDUALS)
 
 
 def views(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -90,13 +97,15 @@ def stored_jobs(root: Path) -> list[str]:
     ]
 
 
-def restore_job(root: Path, job_id: str, allowed: AllowList, sync: bool = True) -> AggJob:
-    """A stored job rebuilt from its spec, latest committed checkpoint and round records."""
+def restore_job(
+    root: Path, job_id: str, allowed: AllowList, sync: bool = True, at: int | None = None
+) -> AggJob:
+    """A stored job rebuilt from its spec, latest committed checkpoint (or round `at`'s) and round records."""
     store = JobStore(root, job_id, sync)
     spec_json = store.load_spec()
     assert spec_json is not None
     job = _assemble(JobSpec.model_validate_json(spec_json), store, allowed)
-    latest = max(store.rounds())
+    latest = max(store.rounds()) if at is None else at
     job.checkpoint, job.round = store.rounds()[latest], latest
     job.digest = weights_digest(job.checkpoint)
     rewind(job)

@@ -17,6 +17,7 @@ import functools
 import operator
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,8 +59,39 @@ def close_round(
 ) -> RoundClosed:
     """Fold the clients' stored updates into the job's model with its strategy, then commit it."""
     started = time.perf_counter()
-    clip = job.spec.clients.max_update_norm if job.spec.clients.on_large_update == "clip" else None
-    results = client_results(job.store, server_round, clients, job.weights, clip)
+    results = client_results(job.store, server_round, clients, job.weights, clip_norm(job))
+    folded = fold(job, server_round, results, failed)
+    residuals, state_bytes = write_residuals(job, server_round, [r.client for r in results])
+    update_bytes = sum(job.store.update_size(server_round, r.client) for r in results)
+    examples = seen_examples(job, results)
+    if examples != job.examples:  # written only when a client is new: most rounds write nothing
+        job.store.save_json("examples", {str(c): n for c, n in sorted(examples.items())})
+    closed = commit(job, closed_message(job, server_round, results, folded, update_bytes, state_bytes,
+                                        started), data_dir)
+    job.examples = examples
+    job.clients.prune(server_round, folded.states)
+    job.residuals.prune(server_round, residuals)
+    return closed
+
+
+@dataclass(frozen=True)
+class Folded:
+    """What folding a round's results into the model gave: its metrics, and whose state was written."""
+
+    metrics: dict[str, dict[str, float]]
+    states: list[int]
+
+
+def clip_norm(job: AggJob) -> float | None:
+    """The norm an update's delta is clipped to on arrival (clients.on_large_update: clip), if any."""
+    return job.spec.clients.max_update_norm if job.spec.clients.on_large_update == "clip" else None
+
+
+def fold(
+    job: AggJob, server_round: int, results: list[ClientResult], failed: list[FailedClient]
+) -> Folded:
+    """The strategy's aggregate of `results` into the job's model, its per-client and shared state
+    written to the job's stores: what both engines do with a round's results, however they came."""
     failures = [ClientFailed(f.client, f.reason, f.phase) for f in sorted(failed, key=lambda f: f.client)]
     ctx = round_context(job, server_round, tuple(r.client for r in results))
     job.clients.discard_from(server_round)  # an earlier attempt's, never committed
@@ -83,20 +115,27 @@ def close_round(
         job.clients.write_shared(server_round, shared)
     with user_code("strategy.aggregate", round=server_round):
         load_weights(job.model, out.weights)
-    residuals, state_bytes = write_residuals(job, server_round, [r.client for r in results])
     del out
     job.weights = views(job.model)
     metrics = {"train": train_metrics(results, job.runtime.reductions)}
     if strategy_metrics:
         metrics["strategy"] = strategy_metrics
-    metrics["transport"] = {
-        "update_bytes": float(sum(job.store.update_size(server_round, r.client) for r in results)),
-        "state_bytes": float(state_bytes),
-    }
-    examples = {r.client: r.num_examples for r in results} | job.examples  # a first count stays
-    if examples != job.examples:  # written only when a client is new: most rounds write nothing
-        job.store.save_json("examples", {str(c): n for c, n in sorted(examples.items())})
-    closed = commit(job, RoundClosed(
+    return Folded(metrics, states)
+
+
+def seen_examples(job: AggJob, results: list[ClientResult]) -> dict[int, int]:
+    """Each client's example count as first accepted (a first count stays): the bound on its next."""
+    return {r.client: r.num_examples for r in results} | job.examples
+
+
+def closed_message(
+    job: AggJob, server_round: int, results: list[ClientResult], folded: Folded, update_bytes: int,
+    state_bytes: int, started: float,
+) -> RoundClosed:
+    """The round's RoundClosed before its commit: clients, examples and the metrics of its fold."""
+    metrics = dict(folded.metrics)
+    metrics["transport"] = {"update_bytes": float(update_bytes), "state_bytes": float(state_bytes)}
+    return RoundClosed(
         job_id=job.job_id,
         round=server_round,
         model_digest="",
@@ -104,11 +143,7 @@ def close_round(
         num_examples=sum(r.num_examples for r in results),
         metrics=metrics,
         aggregate_seconds=time.perf_counter() - started,
-    ), data_dir)
-    job.examples = examples
-    job.clients.prune(server_round, states)
-    job.residuals.prune(server_round, residuals)
-    return closed
+    )
 
 
 def load_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
@@ -255,25 +290,13 @@ def next_config(job: AggJob, server_round: int) -> Config:
 
 def commit(job: AggJob, closed: RoundClosed, data_dir: Path | None) -> RoundClosed:
     """Evaluate the job's model, store it, and make it the round's: the RoundClosed to announce."""
-    with user_code("strategy.state", round=closed.round):
-        state = check_tensor_map(job.strategy.state(), "state()")
-    # A state gone NaN is what the round's aggregate did to it (round 0: the strategy as built).
-    with user_code("strategy.aggregate" if closed.round else "strategy.state", round=closed.round):
-        check_finite(state, "state()")
-    metrics = dict(closed.metrics)
-    server = evaluate_on_server(job, closed.round, data_dir)
-    if server is not None:
-        metrics["server"] = server
+    state = strategy_state(job, closed.round)
+    metrics = with_server_metrics(job, closed.round, closed.metrics, data_dir)
     key = job.store.write_checkpoint(closed.round, job.weights, state)
     digest = weights_digest(key)  # what learners fetch the model by
     update: dict[str, object] = {"model_digest": digest, "metrics": metrics}
     if closed.round == job.spec.rounds:
-        path = save_model(
-            job.store.root / "model.safetensors", job.weights, canonical_json(job.spec),
-            job_id=job.job_id, round=closed.round, metrics=metrics,
-        )
-        update["model_path"] = str(path)
-        job.runtime.export(job.model, job.store.root / "artifacts", closed.round)
+        update["model_path"] = str(save_final(job, closed.round, metrics))
     update["config"] = next_config(job, closed.round)
     closed = closed.model_copy(update=update)
     job.store.save_json("closed", closed.model_dump())  # before the commit: a restart re-sends it
@@ -281,6 +304,37 @@ def commit(job: AggJob, closed: RoundClosed, data_dir: Path | None) -> RoundClos
     job.digest, job.checkpoint, job.round, job.last_closed = digest, key, closed.round, closed
     job.open_round, job.expected = None, set()
     return closed
+
+
+def strategy_state(job: AggJob, server_round: int) -> dict[str, torch.Tensor]:
+    """The strategy's state after the round, checked: what a checkpoint keeps beside the weights."""
+    with user_code("strategy.state", round=server_round):
+        state = check_tensor_map(job.strategy.state(), "state()")
+    # A state gone NaN is what the round's aggregate did to it (round 0: the strategy as built).
+    with user_code("strategy.aggregate" if server_round else "strategy.state", round=server_round):
+        check_finite(state, "state()")
+    return state
+
+
+def with_server_metrics(
+    job: AggJob, server_round: int, metrics: Mapping[str, Mapping[str, float]], data_dir: Path | None
+) -> dict[str, dict[str, float]]:
+    """The round's metrics, and the model's on the Task's server data when the round evaluates there."""
+    out = {source: dict(values) for source, values in metrics.items()}
+    server = evaluate_on_server(job, server_round, data_dir)
+    if server is not None:
+        out["server"] = server
+    return out
+
+
+def save_final(job: AggJob, server_round: int, metrics: Mapping[str, object]) -> Path:
+    """The last round's model as the job's model file, and the Task's export of it."""
+    path = save_model(
+        job.store.root / "model.safetensors", job.weights, canonical_json(job.spec),
+        job_id=job.job_id, round=server_round, metrics=metrics,
+    )
+    job.runtime.export(job.model, job.store.root / "artifacts", server_round)
+    return path
 
 
 def train_metrics(results: list[ClientResult], rules: dict[str, str]) -> dict[str, float]:
@@ -303,23 +357,40 @@ def client_results(
     for client in sorted(set(clients)):
         stored = store.read_update(server_round, client)
         meta = stored.fields.get("compression")
-        weights: Mapping[str, torch.Tensor] = (
-            stored if meta is None else RestoredWeights(current, stored.maps.get("delta", {}), meta)
-        )
-        if clip is not None:
-            norm = delta_norm(weights, current)
-            if norm > clip:
-                weights = ClippedWeights(weights, current, clip / norm)
-        out.append(
-            ClientResult(
-                client=client,
-                num_examples=int(stored.fields["num_examples"]),
-                metrics={str(k): float(v) for k, v in dict(stored.fields.get("metrics", {})).items()},
-                loader=functools.partial(_itself, weights),
-                extras_loader=functools.partial(_itself, Without(stored.maps.get("extras", {}))),
-            )
-        )
+        out.append(client_result(
+            client, int(stored.fields["num_examples"]), dict(stored.fields.get("metrics", {})),
+            restored(current, stored, stored.maps.get("delta", {}), meta, clip),
+            stored.maps.get("extras", {}),
+        ))
     return out
+
+
+def restored(
+    current: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor],
+    delta: Mapping[str, torch.Tensor], meta: Mapping[str, object] | None, clip: float | None,
+) -> Mapping[str, torch.Tensor]:
+    """An update's full weights as the strategy sees them: sent whole, or `current` plus its decoded
+    delta (read one tensor per lookup), the delta scaled down to `clip` when it is longer."""
+    full: Mapping[str, torch.Tensor] = weights if meta is None else RestoredWeights(current, delta, meta)
+    if clip is not None:
+        norm = delta_norm(full, current)
+        if norm > clip:
+            full = ClippedWeights(full, current, clip / norm)
+    return full
+
+
+def client_result(
+    client: int, num_examples: int, metrics: Mapping[str, object], weights: Mapping[str, torch.Tensor],
+    extras: Mapping[str, torch.Tensor],
+) -> ClientResult:
+    """One client's result for the strategy: its weights and extras (never topk's residual), lazily."""
+    return ClientResult(
+        client=client,
+        num_examples=num_examples,
+        metrics={str(k): float(v) for k, v in metrics.items()},  # type: ignore[arg-type]
+        loader=functools.partial(_itself, weights),
+        extras_loader=functools.partial(_itself, Without(extras)),
+    )
 
 
 def _itself(value: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

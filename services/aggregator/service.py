@@ -72,7 +72,7 @@ from fedmq.services.aggregator.limits import DiskQuota, OverLimit, check_model, 
 from fedmq.services.aggregator.rounds import close_round, initial_round
 from fedmq.services.aggregator.serving import ModelServer
 from fedmq.services.aggregator.store import TRASH, JobStore, weights_digest
-from fedmq.services.aggregator.validation import MAX_EXAMPLES, check_update
+from fedmq.services.aggregator.validation import check_job_update
 
 log = structlog.get_logger("fedmq.aggregator")
 
@@ -493,7 +493,7 @@ class AggregatorService:
             kind = "new"
         if msg.base_digest != job.digest:
             raise ValidationError("stale_model", "trained on another round's weights")
-        self._check(job, msg, finite)
+        check_job_update(job, msg, finite)
         return kind
 
     def _keep(self, job: AggJob, msg: ClientUpdate, kind: Admitted, body: bytes | Path, size: int) -> None:
@@ -509,17 +509,6 @@ class AggregatorService:
         job.store.put_update(msg.round, msg.client, body)
         self.metrics.updates_accepted.inc()
         log.info("update_accepted", client=msg.client, examples=msg.num_examples, learner=msg.learner)
-
-    def _check(self, job: AggJob, msg: ClientUpdate, finite: bool = False) -> None:
-        """The update's checks (validation.check_update) with the job's bounds on its count and norm."""
-        clients = job.spec.clients
-        max_examples = min(clients.max_examples or MAX_EXAMPLES, job.examples.get(msg.client, MAX_EXAMPLES))
-        check_update(
-            msg, job.weights, max_examples=max_examples, expected_extras=job.strategy.expected_extras,
-            compression=job.spec.compression,
-            max_norm=clients.max_update_norm if clients.on_large_update == "reject" else None,
-            finite=finite,
-        )
 
     def close_round(self, msg: RoundClose) -> None:
         job = self._job(msg.job_id)

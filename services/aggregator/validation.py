@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from fedmq.common.finite import all_finite
 from fedmq.common.messages import ClientUpdate
 from fedmq.common.strategy.checks import check_tensor_map
 from fedmq.services.aggregator.kernels.private import delta_norm
+
+if TYPE_CHECKING:
+    from fedmq.services.aggregator.jobs import AggJob
 
 MAX_EXAMPLES = 2**53  # an example count must at least be a count a float can weigh exactly
 EXTRAS_SLACK = 1024 * 1024  # extras may hold up to twice the model's bytes, plus this
@@ -58,6 +62,18 @@ def check_update(
     check_extras(extras, reference, expected_extras)
     if max_norm is not None:
         check_norm(weights, reference, max_norm)
+
+
+def check_job_update(job: AggJob, msg: ClientUpdate, finite: bool = False) -> None:
+    """`check_update` with the job's bounds: its clients' example counts, extras, codec and norm."""
+    clients = job.spec.clients
+    max_examples = min(clients.max_examples or MAX_EXAMPLES, job.examples.get(msg.client, MAX_EXAMPLES))
+    check_update(
+        msg, job.weights, max_examples=max_examples, expected_extras=job.strategy.expected_extras,
+        compression=job.spec.compression,
+        max_norm=clients.max_update_norm if clients.on_large_update == "reject" else None,
+        finite=finite,
+    )
 
 
 def check_norm(weights: Mapping[str, object], reference: Mapping[str, torch.Tensor], max_norm: float) -> None:

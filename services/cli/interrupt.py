@@ -12,20 +12,31 @@ from __future__ import annotations
 import os
 import signal
 from types import FrameType
-from typing import Any
-
-from fedmq.services.cli.follow import JobFollower
+from typing import Any, Protocol
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a process that Ctrl-C ended
+
+
+SERVICES_STOPPING = ("stopping: learners finish the task they are training, then the services stop "
+                     "in order (Ctrl-C again to quit at once)")
+ENGINE_STOPPING = ("stopping: the round in progress finishes and is checkpointed "
+                   "(Ctrl-C again to quit at once and resume from the last checkpoint)")
+
+
+class Interruptible(Protocol):
+    """What a Ctrl-C tells to stop in order: a job's follower, or the in-process engine."""
+
+    def interrupt(self) -> None: ...
 
 
 class Interrupt:
     """Installs the handler for SIGINT while in its `with` block (main thread only)."""
 
-    def __init__(self, resume_hint: str) -> None:
+    def __init__(self, resume_hint: str, stopping: str = SERVICES_STOPPING) -> None:
         self.resume_hint = resume_hint
+        self.stopping = stopping
         self.requested = False
-        self._follower: JobFollower | None = None
+        self._follower: Interruptible | None = None
         self._previous: Any = None
 
     def __enter__(self) -> Interrupt:
@@ -35,7 +46,7 @@ class Interrupt:
     def __exit__(self, *exc: object) -> None:
         signal.signal(signal.SIGINT, self._previous)
 
-    def attach(self, follower: JobFollower) -> None:
+    def attach(self, follower: Interruptible) -> None:
         """The follower to interrupt; one that comes after a Ctrl-C is interrupted at once."""
         self._follower = follower
         if self.requested:
@@ -47,8 +58,7 @@ class Interrupt:
                  "  (the round that was open may then wait for its deadline)\n")
             os._exit(EXIT_INTERRUPTED)  # no teardown of anything that still runs: like a crash
         self.requested = True
-        _say("\nstopping: learners finish the task they are training, then the services stop "
-             "in order (Ctrl-C again to quit at once)\n")
+        _say(f"\n{self.stopping}\n")
         if self._follower is not None:
             self._follower.interrupt()
 

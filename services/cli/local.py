@@ -1,4 +1,8 @@
-"""`fedmq run`: a whole job in this process, on the in-memory bus; Ctrl-C pauses it, --resume goes on."""
+"""`fedmq run`: a whole job in this process; Ctrl-C stops it after a checkpoint, --resume goes on.
+
+By default the in-process engine runs it (services/engine): one loop, no bus. `--services` runs
+the scheduler, aggregator and learners as threads on the in-memory bus instead, as deployed.
+"""
 
 from __future__ import annotations
 
@@ -31,23 +35,37 @@ def run(
     state_dir: Annotated[Path | None, typer.Option(help="where checkpoints and the model go")] = None,
     rounds: Annotated[int | None, typer.Option(help="override the spec's rounds")] = None,
     seed: Annotated[int | None, typer.Option(help="override the spec's seed")] = None,
-    learners: Annotated[int, typer.Option(min=1, help="learner threads")] = 1,
+    learners: Annotated[int, typer.Option(min=1, help="learner threads (with --services)")] = 1,
     resume: Annotated[str | None, typer.Option(
         metavar="JOB_ID", help="go on with a job Ctrl-C stopped (same spec, same --state-dir)"
+    )] = None,
+    services: Annotated[bool, typer.Option(
+        "--services", help="run the scheduler, aggregator and learners as threads on an in-memory bus, "
+        "as deployed, instead of the in-process engine (same results, slower rounds)",
+    )] = False,
+    checkpoint_every: Annotated[int | None, typer.Option(
+        min=1, help="rounds between checkpoints [default: FEDMQ_CHECKPOINT_EVERY, 10]",
     )] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the per-round history as JSON")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show service logs")] = False,
 ) -> None:
-    """Train a job in this process on the in-memory bus (no broker needed)."""
+    """Train a job in this process (no broker needed)."""
     settings = make_settings(state_dir=state_dir)
+    if checkpoint_every is not None:
+        settings = settings.model_copy(update={"checkpoint_every": checkpoint_every})
     spec = load_spec(job, rounds, seed, settings)
+    if spec.ddp is not None:
+        services = True  # a DDP job has no rounds for the engine: its ranks run on the services' learners
     # The services import torch (seconds): only once the spec is known to be good.
-    from fedmq.services.cli.embedded import new_job_id, run_job
-    from fedmq.services.cli.interrupt import EXIT_INTERRUPTED, Interrupt
+    from fedmq.services.cli.embedded import new_job_id
+    from fedmq.services.cli.interrupt import ENGINE_STOPPING, EXIT_INTERRUPTED, SERVICES_STOPPING, Interrupt
     from fedmq.services.cli.render import RoundProgress, print_summary
 
     configure_logging(settings.log_format, "info" if verbose else "warning")
-    _check_state(settings.state_dir, spec, job, resume)
+    if learners > 1 and not services:
+        err.print("note: --learners takes effect with --services; the engine trains in this thread",
+                  highlight=False)
+    _check_state(settings.state_dir, spec, job, resume, services)
     if spec.train.dp_sgd is not None and settings.dp_key is None:
         err.print("note: train.dp_sgd's noise comes from a random key, so this run will not repeat bit for "
                   "bit; set FEDMQ_DP_KEY (a secret) for one that does", highlight=False)
@@ -55,21 +73,33 @@ def run(
     again = shlex.join([
         "fedmq", "run", str(job), *(["--rounds", str(rounds)] if rounds is not None else []),
         *(["--seed", str(seed)] if seed is not None else []),
-        "--resume", job_id, "--state-dir", str(settings.state_dir),
+        "--resume", job_id, "--state-dir", str(settings.state_dir), *(["--services"] if services else []),
     ])
+    allowed = project_code(settings, job)
     try:
-        with Interrupt(f"Resume with: {again}") as interrupt, \
+        stopping = SERVICES_STOPPING if services else ENGINE_STOPPING
+        with Interrupt(f"Resume with: {again}", stopping) as interrupt, \
                 RoundProgress(err, enabled=not verbose) as progress:
-            result = run_job(spec, settings, learners=learners, job_id=job_id, resume=resume is not None,
-                             on_event=progress.update, interrupt=interrupt,
-                             allowed=project_code(settings, job))
+            if services:
+                from fedmq.services.cli.embedded import run_job
+
+                result = run_job(spec, settings, learners=learners, job_id=job_id, resume=resume is not None,
+                                 on_event=progress.update, interrupt=interrupt, allowed=allowed)
+            else:
+                from fedmq.services.engine.run import run_job as run_engine
+
+                result = run_engine(spec, settings, job_id=job_id, resume=resume is not None,
+                                    on_event=progress.update, on_notice=progress.say,
+                                    on_engine=interrupt.attach, allowed=allowed)
+                if result["status"] == "stopped":
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:
-        _say_stopped(settings.state_dir, job_id, spec, again)
+        _say_stopped(settings.state_dir, job_id, spec, again, services)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except ConfigError as exc:  # a setting only the services check, such as FEDMQ_DEVICE
         _refuse(str(exc))
     if result["status"] == "completed":
-        _save_best(settings.state_dir, job_id, spec, result)
+        _save_best(_jobs_root(settings.state_dir, services), job_id, spec, result)
     if json_out:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     print_summary(err if json_out else Console(), result)
@@ -77,7 +107,12 @@ def run(
         raise typer.Exit(EXIT_FAILED)
 
 
-def _save_best(state_dir: Path, job_id: str, spec: JobSpec, result: dict[str, Any]) -> None:
+def _jobs_root(state_dir: Path, services: bool) -> Path:
+    """Where a local run keeps its jobs' models: the aggregator's folder, or the engine's."""
+    return Path(state_dir) / ("aggregator" if services else "engine")
+
+
+def _save_best(root: Path, job_id: str, spec: JobSpec, result: dict[str, Any]) -> None:
     """The objective's best round as a model file beside the final one (`best_model_path`)."""
     from fedmq.common.checkpoint import save_model
     from fedmq.services.aggregator.store import JobStore
@@ -85,7 +120,7 @@ def _save_best(state_dir: Path, job_id: str, spec: JobSpec, result: dict[str, An
     best = result.get("best")
     if not best:
         return
-    store = JobStore(Path(state_dir) / "aggregator", job_id)
+    store = JobStore(root, job_id)
     weights = store.load_weights(str(best["model_digest"]))
     rounds = {h["round"]: h for h in result.get("history", [])}
     metrics: dict[str, Any] = rounds.get(best["round"], {}).get("metrics", {})
@@ -96,13 +131,14 @@ def _save_best(state_dir: Path, job_id: str, spec: JobSpec, result: dict[str, An
     result["best_model_path"] = str(path)
 
 
-def _say_stopped(state_dir: Path, job_id: str, spec: JobSpec, again: str) -> None:
+def _say_stopped(state_dir: Path, job_id: str, spec: JobSpec, again: str, services: bool) -> None:
     """After Ctrl-C: where the job stopped, and how to go on or start over."""
     from fedmq.services.cli import pause
 
-    stopped = next((j for j in pause.stored_jobs(state_dir) if j.job_id == job_id), None)
-    if stopped is None:  # stopped before the scheduler took the job: nothing of it to resume
-        pause.discard(state_dir)
+    stopped = next((j for j in _stored(state_dir, services) if j.job_id == job_id), None)
+    if stopped is None:  # stopped before the job began: nothing of it to resume
+        if services:
+            pause.discard(state_dir)
         err.print(f"interrupted before job {job_id} began; start it again", highlight=False)
         return
     where = f"stopped in round {stopped.round} of {spec.rounds}"
@@ -118,13 +154,22 @@ def _say_stopped(state_dir: Path, job_id: str, spec: JobSpec, again: str) -> Non
     )
 
 
-def _check_state(state_dir: Path, spec: JobSpec, job: Path, resume: str | None) -> None:
-    """A new job only in a state directory with no unfinished one; a resumed one as it began."""
-    from fedmq.services.cli import pause
+def _stored(state_dir: Path, services: bool) -> list[Any]:
+    """The jobs a local run left in `state_dir` (job_id, spec, status, round): the services' or engine's."""
+    if services:
+        from fedmq.services.cli import pause
 
-    jobs = pause.stored_jobs(state_dir)
+        return list(pause.stored_jobs(state_dir))
+    from fedmq.services.engine.journal import stored_jobs
+
+    return list(stored_jobs(state_dir))
+
+
+def _check_state(state_dir: Path, spec: JobSpec, job: Path, resume: str | None, services: bool) -> None:
+    """A new job only in a state directory with no unfinished one; a resumed one as it began."""
+    jobs = _stored(state_dir, services)
     if resume is None:
-        for stopped in (j for j in jobs if j.status == "running"):
+        for stopped in (j for j in jobs if j.status == "running" and services):
             again = shlex.join(["fedmq", "run", str(job), "--resume", stopped.job_id,
                                 "--state-dir", str(state_dir)])
             _refuse(

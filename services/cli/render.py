@@ -67,6 +67,10 @@ class RoundProgress:
         self.progress.update(self.task, completed=report["step"], metric=metric, value=value,
                              **({"total": total} if total else {}))
 
+    def say(self, text: str) -> None:
+        """A line above the bar (said once by whoever calls it: a note about the run)."""
+        self.progress.console.print(text, highlight=False, markup=False, soft_wrap=True)
+
     def update(self, event: JobEvent) -> None:
         if event.kind == "accepted":
             self.objective = (event.data.get("objective") or {}).get("metric")

@@ -22,7 +22,7 @@ from fedmq.common.settings import Settings
 from fedmq.services.cli import pause
 from fedmq.services.cli.embedded import run_job
 from fedmq.services.cli.follow import JobFollower
-from fedmq.services.cli.interrupt import Interrupt
+from fedmq.services.cli.interrupt import Interrupt, Interruptible
 from fedmq.services.learner.service import LearnerService
 from tests.conftest import EmbeddedRuns, assert_bit_identical, small_job
 from tests.integration import train_plugins
@@ -35,7 +35,8 @@ class InterruptWhen(Interrupt):
         super().__init__(resume_hint="")
         self.ready = ready
 
-    def attach(self, follower: JobFollower) -> None:
+    def attach(self, follower: Interruptible) -> None:
+        assert isinstance(follower, JobFollower)
         super().attach(follower)
         threading.Thread(target=self._watch, args=(follower,), daemon=True).start()
 

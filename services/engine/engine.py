@@ -1,0 +1,469 @@
+"""The in-process engine: a job's rounds in one loop, with the services' own semantics, by reference.
+
+    round r:  sample_clients ─▶ TrainTask × k ─▶ Work.train_group | Work.train    (the learner's)
+              ─▶ check_job_update (the aggregator's admission) ─▶ RoundState (quorum, retries)
+              ─▶ rounds.fold (the strategy) ─▶ strategy_state, server evaluation, next_config
+              ─▶ [federated evaluation: Work.evaluate × k ─▶ combine_reports]
+              ─▶ round_record, better ─▶ [checkpoint, every `checkpoint_every` rounds] ─▶ event
+
+Nothing is encoded, queued, or written per update: tasks, updates and the global model pass by
+reference between the same functions the scheduler, the learners and the aggregator call. Every
+random stream is drawn where the services draw it (sampling from (seed, round), init, data and
+training from (seed, round, client)), so a job ends with the services' weights, bit for bit on
+CPU, and the same model digest every round (tests/integration/test_engine.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from fedmq.common.allowlist import AllowList
+from fedmq.common.codec import state_digest
+from fedmq.common.codec.updates import residual_entries
+from fedmq.common.errors import FedmqError, ValidationError
+from fedmq.common.jobspec import JobSpec, canonical_json
+from fedmq.common.messages import (
+    ClientUpdate,
+    EvalTask,
+    EventKind,
+    FailedClient,
+    JobEvent,
+    RoundClosed,
+    TrainTask,
+)
+from fedmq.common.metrics import Metrics
+from fedmq.common.settings import Settings
+from fedmq.common.strategy.clients import ClientStore
+from fedmq.common.usercode import UserCodeError
+from fedmq.services.aggregator.jobs import CLIENTS, RESIDUALS, AggJob, new_job, restore_job
+from fedmq.services.aggregator.limits import check_model
+from fedmq.services.aggregator.rounds import (
+    client_result,
+    clip_norm,
+    closed_message,
+    fold,
+    next_config,
+    restored,
+    save_final,
+    seen_examples,
+    strategy_state,
+    with_server_metrics,
+)
+from fedmq.services.aggregator.validation import check_job_update
+from fedmq.services.engine.clientstate import MemoryClientStore
+from fedmq.services.engine.journal import Journal
+from fedmq.services.learner.device import resolve_device
+from fedmq.services.learner.work import Work
+from fedmq.services.scheduler.limits import check_submission
+from fedmq.services.scheduler.records import (
+    better,
+    combine_reports,
+    eval_clients,
+    federated_due,
+    round_record,
+)
+from fedmq.services.scheduler.rounds import Decision, RoundState
+from fedmq.services.scheduler.sampling import sample_clients
+
+log = structlog.get_logger("fedmq.engine")
+
+SETTLED = 0.0  # every client of an attempt has answered when the engine asks RoundState to decide
+NAME = "engine"  # the learner name its updates and failures carry
+
+
+class JobStopped(Exception):
+    """The job ends here: failed (its user code raised, its quorum was lost, a limit) with this reason."""
+
+    def __init__(self, reason: str, error: dict[str, Any] | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+@dataclass
+class Progress:
+    """What the engine knows of its job between rounds; the journal keeps it with each checkpoint."""
+
+    round: int = -1
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best: dict[str, Any] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """One job, trained in this process; `run()` gives the same result dict as the services' run."""
+
+    def __init__(
+        self, spec: JobSpec, settings: Settings, job_id: str, *, allowed: AllowList,
+        on_event: Callable[[JobEvent], None] | None = None, on_notice: Callable[[str], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.raw_spec = spec.model_dump(mode="json")
+        self.job_id = job_id
+        self.allowed = allowed
+        sampled = spec.clients.sampled
+        # One process holds the whole round: its clients train together (when they fuse) and their
+        # data stays loaded from round to round as far as the cache allows.
+        self.settings = settings.model_copy(update={
+            "fuse_clients": max(settings.fuse_clients, sampled),
+            "data_cache_clients": max(settings.data_cache_clients, sampled),
+        })
+        self.root = Path(settings.state_dir) / "engine"
+        self.journal = Journal(self.root, job_id, settings.fsync)
+        self.on_event = on_event or (lambda event: None)
+        self.on_notice = on_notice or (lambda text: None)
+        self.work = Work(self.settings, NAME, self._fetch, Metrics(), self._client_state, allowed)
+        self.work.device = resolve_device(settings.device, 0)
+        self.every = max(1, settings.checkpoint_every)
+        self.progress = Progress()
+        self.rejected: Counter[str] = Counter()
+        self.stop_requested = False
+        self._job: AggJob | None = None
+        self._state: dict[str, torch.Tensor] = {}  # the strategy's state after the last round
+        self._best_weights: dict[str, torch.Tensor] | None = None  # kept until a checkpoint writes them
+        self._said: set[str] = set()
+
+    @property
+    def job(self) -> AggJob:
+        assert self._job is not None, "the engine's job is made by run()"
+        return self._job
+
+    def interrupt(self) -> None:
+        """Stop after the round in progress, with a checkpoint of it (safe in a signal handler)."""
+        self.stop_requested = True
+
+    # -- the job --------------------------------------------------------------------
+
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        """Train the job to its end (or to a stop); its status, history and where its model is."""
+        final: dict[str, Any]
+        try:
+            self._resume() if resume else self._start()
+            while self.progress.round < self.spec.rounds and not self.stop_requested:
+                self._round(self.progress.round + 1)
+        except JobStopped as exc:
+            final = {"status": "failed", "reason": exc.reason, **({"error": exc.error} if exc.error else {})}
+            self.journal.finish(self.progress, final)
+            self._event("failed", round=max(self.progress.round, 0), data=final)
+            return final
+        if self.progress.round < self.spec.rounds:
+            self.journal.save(self.progress, "running")
+            return {"status": "stopped", "round": self.progress.round}
+        last = self.progress.history[-1]
+        final = {"status": "completed", "reason": "", "model_path": last.get("model_path"),
+                 "best": self.progress.best}
+        self.journal.finish(self.progress, final)
+        self._event("completed", round=self.progress.round, data=final)
+        return final
+
+    def _start(self) -> None:
+        settings = self.settings
+        objective = None if self.spec.objective is None else self.spec.objective.model_dump()
+        self._event("accepted", rounds=self.spec.rounds, data={"name": self.spec.name,
+                                                                "objective": objective})
+        refusal = check_submission(self.spec, settings, 0)
+        if refusal is not None:
+            raise JobStopped(refusal.message)
+        try:
+            self._job = new_job(self.root, self.job_id, self.spec, self.allowed, settings.fsync)
+            check_model(self.job.weights, settings.max_model_bytes)
+        except UserCodeError as exc:
+            raise JobStopped(*self._aggregator_error(exc, 0)) from None
+        except FedmqError as exc:
+            raise JobStopped(f"aggregator: {exc}") from None
+        self._keep_state_in_memory()
+        self.journal.start(canonical_json(self.spec))
+        self.job.store.save_spec(canonical_json(self.spec))
+        closed = self._settle(RoundClosed(job_id=self.job_id, round=0, model_digest=""))
+        self._complete(round_record(closed, {}, clients=0, failed=0, seconds=0.0))
+
+    def _resume(self) -> None:
+        """The job as its last checkpoint left it; its rounds so far told again as events."""
+        saved = self.journal.load()
+        if saved is None:
+            raise FedmqError(f"no job {self.job_id} to resume in {self.root.parent}")
+        self.progress = saved
+        self._event("accepted", rounds=self.spec.rounds, data={"name": self.spec.name})
+        for record in saved.history:
+            self._event("round_completed", round=record["round"], data=record)
+        self._job = restore_job(self.root, self.job_id, self.allowed, self.settings.fsync, at=saved.round)
+        self._keep_state_in_memory(load=saved.round)
+        self._state = strategy_state(self.job, saved.round)
+        self.job.digest = state_digest(self.job.weights)
+        log.info("job_resumed", job=self.job_id, round=saved.round)
+
+    def _keep_state_in_memory(self, load: int | None = None) -> None:
+        """Per-client state (a strategy's, topk's residuals) in memory, on disk with each checkpoint."""
+        root = self.job.store.root
+        self.job.client_store = MemoryClientStore(ClientStore(root / CLIENTS))
+        self.job.residual_store = MemoryClientStore(ClientStore(root / RESIDUALS))
+        if load is not None:
+            for store in (self.job.client_store, self.job.residual_store):
+                store.load(load)
+
+    # -- a round --------------------------------------------------------------------
+
+    def _round(self, server_round: int) -> None:
+        spec = self.spec
+        started = time.monotonic()
+        clients = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
+        self._event("round_started", round=server_round, data={"clients": len(clients)})
+        state = RoundState(round=server_round, clients=clients, quorum=spec.clients.quorum, deadline=math.inf,
+                           retries_left=spec.max_round_retries, started=started)
+        updates: dict[int, ClientUpdate] = {}
+        sync: dict[str, float] = {}
+        todo = clients
+        while True:
+            self._train(server_round, todo, state, updates, sync)
+            decision = state.decide(SETTLED)
+            if decision is Decision.RETRY:
+                log.warning("round_retry", round=server_round, missing=len(state.missing),
+                            retries_left=state.retries_left - 1)
+                todo = state.retry(math.inf)
+                continue
+            if decision is Decision.FAIL:
+                reasons = sorted(set(state.failed.values()))[:3]
+                raise JobStopped(f"round {server_round}: {len(state.reported)} of "
+                                 f"{len(state.clients)} clients reported, quorum is {state.quorum}; failures: {reasons or 'timeouts'}")
+            break
+        closed = self._close(server_round, state, updates)
+        del updates  # the round's trained weights: only the new global model remains
+        seconds = time.monotonic() - started
+        record = round_record(closed, sync, len(state.reported), len(state.failed), seconds)
+        if federated_due(spec, server_round):
+            self._evaluate(record)
+        self._complete(record)
+
+    def _task(self, server_round: int, client: int) -> TrainTask:
+        return TrainTask(
+            job_id=self.job_id, task_id=f"{self.job_id}:{server_round}:{client}", round=server_round,
+            client=client, model_digest=self.job.digest, spec=self.raw_spec, config=self.progress.config,
+        )
+
+    def _train(
+        self, server_round: int, clients: list[int], state: RoundState, updates: dict[int, ClientUpdate],
+        sync: dict[str, float],
+    ) -> None:
+        """Train `clients` as a learner would (together when the job fuses), then admit each update as
+        the aggregator would; each outcome recorded in `state`."""
+        tasks = [self._task(server_round, client) for client in clients]
+        try:
+            together = bool(tasks) and self.work.fusable(tasks[0])
+        except Exception:  # the job cannot load: each task fails with the reason, as on a learner
+            together = False
+        outcomes: list[ClientUpdate | Exception]
+        if together:
+            groups = len(self.work.fused_groups)
+            outcomes = self.work.train_group(tasks)
+            if len(self.work.fused_groups) == groups:
+                self._notice_once("unfused", "note: this job's clients train one at a time: its Task or "
+                                  "model cannot be trained together (run with -v to see why)")
+        else:
+            outcomes = [self._train_one(task) for task in tasks]
+        for task, outcome in zip(tasks, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                self._client_failed(state, task.client, server_round, outcome)
+                continue
+            try:
+                # finite: the learner's runtime saw every value finite (else the client diverged)
+                check_job_update(self.job, outcome, finite=True)
+            except ValidationError as exc:
+                self.rejected[exc.reason] += 1
+                log.warning("update_rejected", client=task.client, reason=exc.reason, detail=str(exc)[:300])
+                state.record_failure(task.client, f"rejected: {exc}", "rejected")
+                continue
+            if state.record_update(task.client, outcome.num_examples):
+                updates[task.client] = outcome
+                sync["train_seconds"] = sync.get("train_seconds", 0.0) + outcome.train_seconds
+
+    def _train_one(self, task: TrainTask) -> ClientUpdate | Exception:
+        try:
+            return self.work.train(task)
+        except Exception as exc:
+            return exc
+
+    def _client_failed(self, state: RoundState, client: int, server_round: int, exc: Exception) -> None:
+        """A client's training failed: the job fails (its user code, with clients.on_error: fail_job),
+        or the client is one of the round's failures, as the scheduler records a ClientFailure."""
+        if isinstance(exc, UserCodeError):
+            error = exc.info("learner", round=server_round, client=client, learner=NAME)
+            if self.spec.clients.on_error == "fail_job":
+                raise JobStopped(error.line(), error.model_dump())
+            log.warning("user_code_failed", client=client, phase=error.phase, error=error.message[:300])
+            code, reason, phase = "user_code", error.line(), error.phase
+        elif isinstance(exc, FedmqError):
+            log.warning("task_failed", client=client, error=str(exc))
+            code, reason, phase = "invalid", str(exc), "invalid"
+        else:
+            log.error("task_crashed", client=client, error=f"{type(exc).__name__}: {exc}"[:500], exc_info=exc)
+            code, reason, phase = "error", f"{type(exc).__name__}: {exc}", "error"
+        state.record_failure(client, f"{code}: {reason[:500]}", phase)
+
+    def _close(self, server_round: int, state: RoundState, updates: dict[int, ClientUpdate]) -> RoundClosed:
+        """The round's updates folded into the global model by the strategy, and the round settled."""
+        job = self.job
+        started = time.perf_counter()
+        clip = clip_norm(job)
+        results = [
+            client_result(client, update.num_examples, update.metrics,
+                          restored(job.weights, update.weights, update.delta, update.compression, clip),
+                          update.extras)
+            for client, update in sorted(updates.items())
+        ]
+        failed = [FailedClient(client=c, reason=r[:2000], phase=p[:64]) for c, r, p in state.unreported()]
+        try:
+            folded = fold(job, server_round, results, failed)
+            residuals, state_bytes = self._keep_residuals(server_round, updates)
+            examples = seen_examples(job, results)
+            closed = self._settle(closed_message(job, server_round, results, folded,
+                                                 _payload(updates.values()), state_bytes, started))
+        except UserCodeError as exc:
+            raise JobStopped(*self._aggregator_error(exc, server_round)) from None
+        job.examples = examples
+        job.clients.prune(server_round, folded.states)
+        job.residuals.prune(server_round, residuals)
+        return closed
+
+    def _keep_residuals(
+        self, server_round: int, updates: Mapping[int, ClientUpdate]
+    ) -> tuple[list[int], int]:
+        """topk's residual each update carried, kept as its client's state (compression's error feedback)."""
+        if not self.spec.compression.keeps_residual:
+            return [], 0
+        size = 0
+        for client, update in sorted(updates.items()):
+            entries = residual_entries(update.extras)
+            self.job.residuals.write(server_round, client, entries)
+            size += sum(t.numel() * t.element_size() for t in entries.values())
+        return sorted(updates), size
+
+    def _settle(self, closed: RoundClosed) -> RoundClosed:
+        """As the aggregator commits a round: its strategy state, server metrics, digest, final model
+        and the next round's config (the checkpoint is written every `checkpoint_every` rounds)."""
+        job, server_round = self.job, closed.round
+        try:
+            self._state = strategy_state(job, server_round)
+            metrics = with_server_metrics(job, server_round, closed.metrics, self.settings.data_dir)
+            digest = state_digest(job.weights)
+            update: dict[str, Any] = {"model_digest": digest, "metrics": metrics}
+            if server_round == self.spec.rounds:
+                update["model_path"] = str(save_final(job, server_round, metrics))
+            update["config"] = next_config(job, server_round)
+        except UserCodeError as exc:
+            raise JobStopped(*self._aggregator_error(exc, server_round)) from None
+        job.digest, job.round = digest, server_round
+        self.progress.config = update["config"]
+        return closed.model_copy(update=update)
+
+    def _aggregator_error(self, exc: UserCodeError, server_round: int) -> tuple[str, dict[str, Any]]:
+        error = exc.info("aggregator", round=server_round)
+        return error.line(), error.model_dump()
+
+    def _evaluate(self, record: dict[str, Any]) -> None:
+        """Sampled clients evaluate the round's model, with the scheduler's quorum and retries."""
+        fed = self.spec.evaluate.federated
+        assert fed is not None
+        server_round = record["round"]
+        clients = eval_clients(self.spec, server_round)
+        state = RoundState(round=server_round, clients=clients, quorum=min(fed.quorum, len(clients)),
+                           deadline=math.inf, retries_left=self.spec.max_round_retries)
+        reports: dict[int, dict[str, Any]] = {}
+        todo = clients
+        while True:
+            for client in todo:
+                task = EvalTask(job_id=self.job_id, task_id=f"{self.job_id}:e{server_round}:{client}",
+                                round=server_round, client=client, model_digest=self.job.digest,
+                                spec=self.raw_spec)
+                try:
+                    report = self.work.evaluate(task)
+                except Exception as exc:
+                    if isinstance(exc, UserCodeError) and self.spec.clients.on_error == "fail_job":
+                        error = exc.info("learner", round=server_round, client=client, learner=NAME)
+                        raise JobStopped(error.line(), error.model_dump()) from None
+                    code = "user_code" if isinstance(exc, UserCodeError) else "invalid"
+                    state.record_failure(client, f"{code}: {str(exc)[:500]}")
+                    continue
+                if state.record_update(client, report.num_examples):
+                    reports[client] = {"num_examples": report.num_examples, "metrics": report.metrics,
+                                       "reduction": report.reduction}
+            decision = state.decide(SETTLED)
+            if decision is Decision.RETRY:
+                todo = state.retry(math.inf)
+                continue
+            break
+        if decision is Decision.CLOSE:
+            record["metrics"]["federated"] = combine_reports(reports)
+        else:
+            log.warning("evaluation_below_quorum", reported=len(state.reported), quorum=state.quorum)
+        record["evaluated_by"] = len(state.reported)
+
+    def _complete(self, record: dict[str, Any]) -> None:
+        """The round's record is whole: kept, the best round updated, checkpointed when due, told."""
+        progress = self.progress
+        progress.round = record["round"]
+        progress.history.append(record)
+        best = better(self.spec, record, progress.best)
+        due = progress.round % self.every == 0 or progress.round == self.spec.rounds or self.stop_requested
+        if best is not None:
+            progress.best = best
+            # Its weights until a checkpoint writes them (a checkpoint now holds them anyway).
+            self._best_weights = None if due else {k: v.clone() for k, v in self.job.weights.items()}
+        if due:
+            self.checkpoint()
+        self._event("round_completed", round=record["round"], data=record)
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def checkpoint(self) -> None:
+        """The last completed round's weights, strategy and client state, then the journal (the commit)."""
+        job, progress = self.job, self.progress
+        key = job.store.write_checkpoint(progress.round, job.weights, self._state)
+        job.store.commit_round(progress.round, key)
+        job.checkpoint = key
+        if self._best_weights is not None and progress.best is not None:
+            job.store.write_checkpoint(int(progress.best["round"]), self._best_weights, {})
+            self._best_weights = None
+        stores = [s for s in (job.client_store, job.residual_store) if isinstance(s, MemoryClientStore)]
+        for store in stores:
+            store.flush()
+        job.store.save_json("examples", {str(c): n for c, n in sorted(job.examples.items())})
+        self.journal.save(progress, "running")
+        for store in stores:
+            store.prune_disk()
+
+    # -- what the learner's Work asks for --------------------------------------------------
+
+    def _fetch(self, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
+        """The global model, by reference: no bytes move."""
+        return self.job.weights, 0
+
+    def _client_state(self, job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
+        """A client's stored state for a round, as the aggregator serves it (strategy's and residual)."""
+        return self.job.clients.read(client, before=server_round) | self.job.residuals.read(
+            client, before=server_round)
+
+    # -- telling -------------------------------------------------------------------
+
+    def _event(self, kind: EventKind, round: int | None = None, rounds: int | None = None,
+               data: dict[str, Any] | None = None) -> None:
+        self.on_event(JobEvent(job_id=self.job_id, kind=kind, round=round, rounds=rounds, data=data or {}))
+
+    def _notice_once(self, key: str, text: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            self.on_notice(text)
+
+
+def _payload(updates: Any) -> int:
+    """The bytes of tensors the round's updates carry: what a deployment would move, here by reference."""
+    return sum(t.numel() * t.element_size() for u in updates for part in (u.weights, u.delta, u.extras)
+               for t in part.values())
