@@ -140,9 +140,10 @@ class TrainSpec(Spec):
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     options: dict[str, Any] = Field({}, description="free-form settings for a Task's own train()")
-    fuse: bool = Field(
-        False, description="train a learner's clients of a round together (vmap over stacked weights), for "
-        "a Task at the loss level; within 1e-5 of one at a time, and bit-identical however grouped on CPU",
+    fuse: bool | None = Field(
+        None, description="train a learner's clients of a round together (vmap over stacked weights): null, "
+        "the default, wherever the Task (loss-level, indexable data) and model allow it; false: one at a "
+        "time. Within 1e-5 of one at a time, and bit-identical however grouped on CPU",
     )
     dp_sgd: DpSgdSpec | None = Field(
         None, description="train with DP-SGD (per-example clipping and Gaussian noise), a Task at the loss "

@@ -171,7 +171,8 @@ class Settings(BaseSettings):
         "always written); --resume goes on from the newest",
     )
     torch_threads: int = Field(
-        0, ge=0, description="torch threads; 0: one per service process, a share of the cores in `fedmq run`"
+        0, ge=0, description="torch threads; 0: one per service process and in `fedmq run`'s engine (the "
+        "same count gives the same bits on CPU), a share of the cores in `fedmq run --services`"
     )
     scheduler_users: str = Field(
         "scheduler,guest", description="broker users (comma-separated) whose job, round and task "

@@ -125,7 +125,8 @@ def assert_matches_reference(result: dict[str, Any], expected: dict[str, Any]) -
 
 
 class EmbeddedRuns:
-    """Undisturbed embedded runs (in-memory bus, one learner), one per spec per session."""
+    """Undisturbed runs of the in-process engine, one per spec per session: every run of the services
+    (either bus, any number of learners, kills and redeliveries) must end with their weights."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -133,12 +134,14 @@ class EmbeddedRuns:
 
     def weights(self, spec: JobSpec) -> dict[str, torch.Tensor]:
         """The final weights every other run of `spec` must match bit for bit."""
-        from fedmq.services.cli.embedded import run_job
+        from fedmq.services.engine.run import run_job
 
         key = canonical_json(spec)
         if key not in self._weights:
             state = self.root / f"run-{len(self._weights)}"
-            result = run_job(spec, Settings(state_dir=state, log_format="json"), idle_timeout=60)
+            # The thread count a one-learner embedded cluster gives torch here (the same arithmetic).
+            threads = max(1, (os.cpu_count() or 1) // 2)
+            result = run_job(spec, Settings(state_dir=state, log_format="json", torch_threads=threads))
             assert result["status"] == "completed", result
             self._weights[key] = load_state(result["model_path"])[0]
         return self._weights[key]

@@ -3,10 +3,10 @@
     import fedmq
 
     job = fedmq.Job(name="digits", task="digits", clients={"total": 10}, rounds=20)
-    result = fedmq.run(job)                                   # in this process, no broker
+    result = fedmq.run(job)                                   # in this process (the engine), no broker
     result = fedmq.run(job, broker="amqp://user:pw@host/vh")  # on a cluster's services
 
-    with fedmq.Runner() as runner:                            # services kept up between jobs
+    with fedmq.Runner() as runner:                            # several jobs, one after another
         for lr in (0.01, 0.05):
             results.append(runner.run(job.with_changes(train={"lr": lr}), callbacks=[Printer()]))
 
@@ -77,7 +77,10 @@ class Runner:
         state_dir: str | Path | None = None,
         settings: Settings | None = None,
         log_level: str = "warning",
+        services: bool = False,
     ) -> None:
+        """No `broker`: jobs run in this process, on the in-process engine; with `services` (or
+        `learners` > 1) on the services' threads over an in-memory bus instead, as deployed."""
         from fedmq.common.logging import configure_logging
 
         configure_logging("auto", log_level)  # the services log at info: too much for a program
@@ -90,8 +93,10 @@ class Runner:
         self.settings = Settings(**overrides) if settings is None else settings.model_copy(update=overrides)
         self.remote_mode = broker is not None
         self.learners = learners
+        self.services = services or learners > 1
         self._cluster: EmbeddedCluster | None = None
         self._remote: Remote | None = None
+        self._engine = False
         self._lock = threading.Lock()
 
     def __enter__(self) -> Runner:
@@ -99,6 +104,8 @@ class Runner:
             from fedmq.services.cli.remote import Remote
 
             self._remote = Remote(self.settings).__enter__()
+        elif not self.services:
+            self._engine = True
         else:
             from fedmq.services.cli.embedded import EmbeddedCluster
 
@@ -125,6 +132,7 @@ class Runner:
         if self._remote is not None:
             self._remote.__exit__(None, None, None)
             self._remote = None
+        self._engine = False
 
     def run(
         self,
@@ -140,7 +148,7 @@ class Runner:
         call ends other than by the job's end (a callback raises, the timeout, Ctrl-C), the job
         is cancelled before the exception goes on: no job trains on unwatched.
         """
-        if self._cluster is None and self._remote is None:
+        if self._cluster is None and self._remote is None and not self._engine:
             raise RuntimeError("use the Runner as a context manager (with fedmq.Runner() as runner: ...)")
         spec = job if isinstance(job, JobSpec) else JobSpec.model_validate(job)
         spec = complete_spec(spec, self._project())
@@ -153,6 +161,8 @@ class Runner:
 
         job_id = new_job_id(spec)
         hooks = list(callbacks)
+        if self._engine:
+            return self._run_here(spec, job_id, hooks)
         with self._lock:  # one job at a time per Runner: its events and callbacks stay in order
             follower = self._follower(job_id)
             try:
@@ -169,6 +179,23 @@ class Runner:
             job_id=job_id, spec=spec, status=str(final.get("status", "unknown")),
             reason=str(final.get("reason") or ""), history=[RoundRecord.of(h) for h in raw_history],
             best=final.get("best"), model_path=final.get("model_path"), _fetch=self._fetcher(job_id),
+        )
+        for hook in hooks:
+            hook.on_train_end(result)
+        return result
+
+    def _run_here(self, spec: JobSpec, job_id: str, hooks: list[Callback]) -> Result:
+        """The job on the in-process engine, its events told to the callbacks as they come."""
+        from fedmq.services.engine.run import run_job
+
+        history: dict[int, dict[str, Any]] = {}
+        with self._lock:
+            done = run_job(spec, self.settings, job_id=job_id, allowed=self._project(),
+                           on_event=lambda event: self._on_event(event, spec, job_id, hooks, history))
+        result = Result(
+            job_id=job_id, spec=spec, status=str(done.get("status", "unknown")),
+            reason=str(done.get("reason") or ""), history=[RoundRecord.of(h) for h in done["history"]],
+            best=done.get("best"), model_path=done.get("model_path"), _fetch=self._fetcher(job_id),
         )
         for hook in hooks:
             hook.on_train_end(result)
@@ -252,11 +279,18 @@ class Runner:
     def _fetcher(self, job_id: str) -> Any:
         """How the Result gets a round's weights: the aggregator's file here, else over the broker."""
         settings, remote_mode = self.settings, self.remote_mode
+        kept = Path(settings.state_dir) / ("aggregator" if self.services else "engine")
+        engine = self._engine
 
         def fetch(digest: str) -> Mapping[str, torch.Tensor]:
             from fedmq.services.aggregator.store import JobStore
 
-            store = JobStore(Path(settings.state_dir) / "aggregator", job_id)
+            store = JobStore(kept, job_id)
+            if not remote_mode and engine and store.find_weights(digest) is None:
+                raise LookupError(
+                    f"job {job_id}: the engine keeps the models of the rounds it checkpointed (every "
+                    f"{settings.checkpoint_every}, the last and the best); this round's is not among them: "
+                    "set FEDMQ_CHECKPOINT_EVERY lower to keep more")
             if not remote_mode and store.find_weights(digest) is not None:
                 return store.load_weights(digest)
             from fedmq.services.cli.remote import Remote
@@ -275,7 +309,9 @@ def run(
     state_dir: str | Path | None = None,
     callbacks: Iterable[Callback] = (),
     timeout: float | None = None,
+    services: bool = False,
 ) -> Result:
-    """Run one job to its end: in this process (no broker), or on the cluster at `broker`."""
-    with Runner(broker, learners=learners, state_dir=state_dir) as runner:
+    """Run one job to its end: in this process (no broker; `services`: on the services' threads
+    over an in-memory bus, as deployed), or on the cluster at `broker`."""
+    with Runner(broker, learners=learners, state_dir=state_dir, services=services) as runner:
         return runner.run(job, callbacks=callbacks, timeout=timeout)

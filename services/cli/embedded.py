@@ -180,7 +180,7 @@ def run_job(
         # One process on an in-memory bus: a crash loses the bus's messages whatever is on disk, and
         # a killed process still leaves whole files; fsyncs would only slow every update down.
         settings = settings.model_copy(update={"fsync": False})
-    if spec.train.fuse and "fuse_clients" not in settings.model_fields_set:
+    if spec.train.fuse is not False and "fuse_clients" not in settings.model_fields_set:
         # One process: each learner takes its share of a round's tasks at once, to train together.
         settings = settings.model_copy(update={"fuse_clients": -(-spec.clients.sampled // learners)})
     with EmbeddedCluster(settings, learners=learners, connect=connect, allowed=allowed) as cluster:

@@ -184,10 +184,14 @@ def _from_file(path: Path, job_id: str | None) -> JobHistory:
 
 
 def _from_state(state_dir: Path, job_id: str | None) -> JobHistory:
-    """A job the scheduler of a `fedmq run` recorded in `state_dir` (the named one, else the latest)."""
+    """A job a `fedmq run` recorded in `state_dir`, its engine's or its scheduler's (`--services`): the
+    named one, else the latest."""
     from fedmq.services.cli import pause
+    from fedmq.services.engine.journal import stored_jobs
 
-    jobs = pause.stored_jobs(state_dir)
+    kept = [(j.accepted_at or 0.0, j) for j in pause.stored_jobs(state_dir)]
+    kept += [(j.written_at, j) for j in stored_jobs(state_dir)]
+    jobs = [job for _, job in sorted(kept, key=lambda pair: pair[0])]
     if not jobs:
         _fail(f"{state_dir} holds no job: is it the --state-dir the run used?", EXIT_USAGE)
     found = jobs[-1] if job_id is None else next((j for j in jobs if j.job_id == job_id), None)

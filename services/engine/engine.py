@@ -232,8 +232,9 @@ class Engine:
                 continue
             if decision is Decision.FAIL:
                 reasons = sorted(set(state.failed.values()))[:3]
-                raise JobStopped(f"round {server_round}: {len(state.reported)} of "
-                                 f"{len(state.clients)} clients reported, quorum is {state.quorum}; failures: {reasons or 'timeouts'}")
+                raise JobStopped(f"round {server_round}: {len(state.reported)} of {len(state.clients)} "
+                                 f"clients reported, quorum is {state.quorum}; failures: "
+                                 f"{reasons or 'timeouts'}")
             break
         closed = self._close(server_round, state, updates)
         del updates  # the round's trained weights: only the new global model remains
@@ -264,9 +265,9 @@ class Engine:
         if together:
             groups = len(self.work.fused_groups)
             outcomes = self.work.train_group(tasks)
-            if len(self.work.fused_groups) == groups:
-                self._notice_once("unfused", "note: this job's clients train one at a time: its Task or "
-                                  "model cannot be trained together (run with -v to see why)")
+            if len(self.work.fused_groups) == groups and "unfused" not in self._said:
+                why = self.work.unfused_reason(tasks[0])
+                self._notice_once("unfused", f"note: this job's clients train one at a time: {why}")
         else:
             outcomes = [self._train_one(task) for task in tasks]
         for task, outcome in zip(tasks, outcomes, strict=True):
@@ -419,6 +420,8 @@ class Engine:
             self._best_weights = None if due else {k: v.clone() for k, v in self.job.weights.items()}
         if due:
             self.checkpoint()
+        log.info("round_closed", round=record["round"], clients=record["clients"], failed=record["failed"],
+                 seconds=round(record["seconds"], 4), checkpoint=due)
         self._event("round_completed", round=record["round"], data=record)
 
     # -- checkpoints -----------------------------------------------------------------

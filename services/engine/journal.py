@@ -33,6 +33,9 @@ class StoredJob:
     spec: JobSpec
     status: str
     round: int
+    history: list[dict[str, Any]]
+    best: dict[str, Any] | None
+    written_at: float  # when its journal was last written (seconds since the epoch)
 
 
 class Journal:
@@ -84,7 +87,9 @@ def stored_jobs(state_dir: Path) -> list[StoredJob]:
         if doc is None or doc.get("spec") in (None, "{}"):
             continue
         found.append(StoredJob(job_id=doc["job_id"], spec=JobSpec.model_validate_json(doc["spec"]),
-                               status=doc["status"], round=max(int(doc["round"]), 0)))
+                               status=doc["status"], round=max(int(doc["round"]), 0),
+                               history=list(doc.get("history", [])), best=doc.get("best"),
+                               written_at=path.stat().st_mtime))
     return found
 
 

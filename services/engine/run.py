@@ -51,8 +51,21 @@ def run_job(
         # Checkpoints are written whole (atomic renames) and a crash resumes from the last whole one:
         # an fsync per file would only slow every checkpoint down.
         settings = settings.model_copy(update={"fsync": False})
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+    # As a deployed learner trains: one torch thread unless FEDMQ_TORCH_THREADS says otherwise (the
+    # same arithmetic, so the same bits on CPU), and the caller's own count given back afterwards.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.torch_threads or 1)
+    try:
+        return _run(spec, settings, job_id, resume, on_event, on_notice, on_engine, allowed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(
+    spec: JobSpec, settings: Settings, job_id: str, resume: bool, on_event: Callable[[JobEvent], None] | None,
+    on_notice: Callable[[str], None] | None, on_engine: Callable[[Engine], None] | None,
+    allowed: AllowList | None,
+) -> dict[str, Any]:
     engine = Engine(spec, settings, job_id, allowed=allowed or AllowList.services(settings.allowed_prefixes),
                     on_event=on_event, on_notice=on_notice)
     if on_engine is not None:

@@ -35,8 +35,15 @@ from fedmq.common.metrics import Metrics
 from fedmq.common.seeding import secret_seed, torch_generator
 from fedmq.common.settings import Settings
 from fedmq.common.strategy.contract import CLIENT_STATE
-from fedmq.common.task.contract import ClientData, EvalContext, TrainContext, TrainResult, TrainSettings
-from fedmq.common.task.fused import group_size
+from fedmq.common.task.contract import (
+    ClientData,
+    EvalContext,
+    TrainContext,
+    TrainResult,
+    TrainSettings,
+    has_train,
+)
+from fedmq.common.task.fused import can_fuse, group_size
 from fedmq.common.task.runtime import TaskRuntime
 from fedmq.common.usercode import UserCodeError
 
@@ -276,13 +283,24 @@ class Work:
                             residual)
 
     def fusable(self, task: TrainTask) -> bool:
-        """Whether this task goes to `train_group`: its job trains fused and keeps no client state.
+        """Whether this task goes to `train_group`: its job does not refuse fusing (train.fuse: false)
+        and keeps no client state.
         (Its spec is checked when the job loads; a task of a job that cannot load trains alone,
         to fail with the reason, counted once.)"""
         train = task.spec.get("train")
-        if not (isinstance(train, dict) and train.get("fuse") is True) or task.config.get(CLIENT_STATE):
+        if (isinstance(train, dict) and train.get("fuse") is False) or task.config.get(CLIENT_STATE):
             return False
-        return self.job_spec(task).train.fuse
+        return self.job_spec(task).train.fuse is not False
+
+    def unfused_reason(self, task: TrainTask) -> str:
+        """Why a fusable task's clients trained one at a time (said once by `fedmq run`)."""
+        job = self._job(task.job_id, task.spec)
+        if has_train(job.runtime.task):
+            return "its Task trains with its own train()"
+        ctx = self._context(job, task, job.model.state_dict(), {})
+        return can_fuse(job.model, ctx) or (
+            "its data or loss cannot be batched across clients (a DataLoader, random draws in the loss, "
+            "metrics that are not tensors)")
 
     def job_spec(self, task: TrainTask) -> JobSpec:
         """The task's job spec, as parsed when its job loaded (`fusable` loaded it)."""

@@ -1,5 +1,5 @@
-"""Ctrl-C on `fedmq run`: an orderly stop, exit 130, and a resume that ends where a run never
-interrupted ends, bit for bit.
+"""Ctrl-C on `fedmq run`, on the engine and on the services (`--services`): an orderly stop, exit 130,
+and a resume that ends where a run never interrupted ends, bit for bit.
 
 The runs train through `tests.integration.train_plugins:Gated`: the first rounds pass, then
 every training waits for a file, so a test knows the job is mid-round when it presses Ctrl-C.
@@ -33,9 +33,9 @@ def write_spec(tmp_path: Path) -> tuple[JobSpec, Path]:
 
 
 def fedmq_run(path: Path, state: Path, *args: str, **env: str) -> subprocess.Popen[str]:
-    """`fedmq run` with three learners and the services' logs (JSON lines) on stderr."""
+    """`fedmq run --services` with three learners and the services' logs (JSON lines) on stderr."""
     return subprocess.Popen(
-        [*FEDMQ, "run", str(path), "--state-dir", str(state), "--learners", "3", "-v", *args],
+        [*FEDMQ, "run", str(path), "--state-dir", str(state), "--services", "--learners", "3", "-v", *args],
         cwd=REPO, env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **env},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -90,8 +90,40 @@ def test_ctrl_c_stops_the_run_and_the_resumed_run_ends_with_the_undisturbed_weig
         (["--resume", "nope"], "holds no job nope"),
         (["--resume", job_id, "--rounds", "6"], "started from another spec"),
     ]:
-        refused = fedmq(str(path), "--state-dir", str(state), *args)
+        refused = fedmq(str(path), "--state-dir", str(state), "--services", *args)
         assert (refused.returncode, refusal in refused.stderr) == (2, True), refused.stderr
+
+    resumed = fedmq(str(path), "--resume", job_id, "--state-dir", str(state), "--services", "--json")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    result = json.loads(resumed.stdout)
+    assert (result["status"], result["job_id"]) == ("completed", job_id)
+    assert [h["round"] for h in result["history"]] == list(range(spec.rounds + 1))
+    assert_bit_identical(load_state(result["model_path"])[0], embedded_runs.weights(spec))
+
+
+def test_ctrl_c_on_the_engine_checkpoints_the_round_in_progress_and_the_resumed_run_ends_alike(
+    tmp_path: Path, embedded_runs: EmbeddedRuns
+) -> None:
+    spec, path = write_spec(tmp_path)
+    state, gate = tmp_path / "state", tmp_path / "gate"
+    run = subprocess.Popen(
+        [*FEDMQ, "run", str(path), "--state-dir", str(state), "-v"], cwd=REPO, text=True,
+        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "FEDMQ_TEST_TRAIN_GATE": str(gate),
+             "FEDMQ_TEST_TRAIN_GATE_AFTER": str(2 * spec.clients.sampled)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert run.stderr is not None
+    before = read_until(run.stderr, ("round_closed", 2))  # round 3's trainings wait at the gate
+    run.send_signal(signal.SIGINT)
+    gate.touch()  # round 3 trains on, and is checkpointed
+    _, after = run.communicate(timeout=120)
+    err = before + after
+    assert run.returncode == 130, err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
+    assert "the round in progress finishes and is checkpointed" in err
+    hint = re.search(r"fedmq run .*--resume (\S+) --state-dir (\S+)", err)
+    assert hint is not None, err[-2000:]
+    job_id = hint.group(1)
+    assert "stopped in round 3 of 5" in err, err[-2000:]
 
     resumed = fedmq(str(path), "--resume", job_id, "--state-dir", str(state), "--json")
     assert resumed.returncode == 0, resumed.stderr[-4000:]

@@ -1,5 +1,6 @@
 """Every built-in strategy on the real services over RabbitMQ, the aggregator SIGKILLed mid-job: each
-job's weights and strategy metrics are the embedded run's, bit for bit (state restored).
+job's weights, every round's model digest and strategy metrics are the in-process engine's, bit for
+bit (state restored).
 
 One cluster runs every case of tests/support/strategy_cases.py at once (the jobs are independent):
 a cluster per case would spend most of its time starting processes. Each job is examples/digits.yaml
@@ -20,7 +21,8 @@ from fedmq.common.checkpoint import load_state
 from fedmq.common.jobspec import load_job
 from fedmq.common.messages import JobSubmit
 from fedmq.common.settings import Settings
-from fedmq.services.cli.embedded import new_job_id, run_job
+from fedmq.services.cli.embedded import new_job_id
+from fedmq.services.engine.run import run_job
 from fedmq.services.cli.remote import Remote, SchedulerSilent
 from tests.conftest import assert_bit_identical
 from tests.e2e.cluster import Cluster, cluster
@@ -89,18 +91,19 @@ def check_case(case: str, run: dict[str, Any], tmp_path: Path) -> None:
     assert run["resumed_round"] is not None and run["resumed_round"] < ROUNDS, (
         f"the aggregator was killed after the job ended, not in it (resumed at {run['resumed_round']})")
 
-    embedded = run_job(load_job(run["spec"]), Settings(state_dir=tmp_path))
-    assert embedded["status"] == "completed", embedded.get("reason")
-    assert_bit_identical(load_state(job["model_path"])[0], load_state(embedded["model_path"])[0])
+    # The engine with the services' defaults (one torch thread, as each learner process has).
+    engine = run_job(load_job(run["spec"]), Settings(state_dir=tmp_path))
+    assert engine["status"] == "completed", engine.get("reason")
+    assert_bit_identical(load_state(job["model_path"])[0], load_state(engine["model_path"])[0])
     assert [h["round"] for h in job["history"]] == list(range(ROUNDS + 1))
-    assert [h["model_digest"] for h in job["history"]] == [h["model_digest"] for h in embedded["history"]]
+    assert [h["model_digest"] for h in job["history"]] == [h["model_digest"] for h in engine["history"]]
     assert [h["metrics"].get("strategy") for h in job["history"]] == [
-        h["metrics"].get("strategy") for h in embedded["history"]], "the strategy's state was restored"
+        h["metrics"].get("strategy") for h in engine["history"]], "the strategy's state was restored"
     accuracy = [h["metrics"]["server"]["accuracy"] for h in job["history"]]
     assert accuracy[-1] > accuracy[0], f"{case} learned nothing in {ROUNDS} rounds: {accuracy}"
 
 
-def test_every_strategy_on_rabbitmq_across_an_aggregator_sigkill_is_its_embedded_run_bit_for_bit(
+def test_every_strategy_on_rabbitmq_across_an_aggregator_sigkill_is_the_engines_run_bit_for_bit(
     tmp_path: Path,
 ) -> None:
     """One test, not one per case: pytest-xdist's worksteal splits a module's tests across workers,

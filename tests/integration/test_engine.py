@@ -1,0 +1,157 @@
+"""The in-process engine against the services: the same job ends with the same bits, round by round.
+
+Each scenario runs once on the engine and once on the services (the in-memory bus and a real
+RabbitMQ), with the same torch thread count: every round's model digest and the final weights
+must be equal. Then the engine's own checkpoints: a stop or a crash, and a resume, end where an
+undisturbed run ends.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from fedmq.common.checkpoint import load_state
+from fedmq.common.jobspec import JobSpec
+from fedmq.common.messages import JobEvent
+from fedmq.common.settings import Settings
+from fedmq.services.cli.embedded import run_job as on_services
+from fedmq.services.engine.engine import Engine
+from fedmq.services.engine.run import run_job
+from tests.conftest import assert_bit_identical, shard_size, small_job
+from tests.integration import train_plugins
+from tests.integration.conftest import Transport
+
+THREADS = max(1, (os.cpu_count() or 1) // 2)  # what a one-learner embedded cluster gives torch here
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "fedavg-unfused": {"train__fuse": False},
+    "fedavg-fused": {"clients__total": 8, "clients__per_round": 5},
+    "topk-with-residuals": {"compression": {"codec": "topk", "fraction": 0.1}, "clients__per_round": 3},
+    "int8": {"compression": {"codec": "int8"}},
+    "scaffold-client-state": {"strategy": {"name": "scaffold"}, "clients__total": 6, "clients__per_round": 4},
+    "federated-evaluation": {"evaluate": {"every": 2, "federated": {"clients": 3}}, "rounds": 4},
+    "dp-sgd": {"train__dp_sgd": {"clip_norm": 1.0, "noise_multiplier": 0.5}},
+    "updates-clipped": {"clients__max_update_norm": 0.5, "clients__on_large_update": "clip"},
+}
+
+
+def digests(result: dict[str, Any]) -> list[str]:
+    return [h["model_digest"] for h in result["history"]]
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_the_engine_ends_every_round_with_the_services_model(
+    transport: Transport, scenario: str, tmp_path: Path
+) -> None:
+    spec = small_job(**SCENARIOS[scenario])
+    key = SecretStr("test-key")  # DP-SGD's noise: the same secret on the learners and in the engine
+    services = on_services(
+        spec, transport.settings.model_copy(update={"torch_threads": THREADS, "dp_key": key}),
+        connect=transport.connect, idle_timeout=60)
+    engine = run_job(spec, Settings(state_dir=tmp_path / "engine", torch_threads=THREADS, dp_key=key))
+    assert services["status"] == engine["status"] == "completed", (services.get("reason"), engine.get("reason"))
+    assert digests(engine) == digests(services)
+    assert_bit_identical(load_state(engine["model_path"])[0], load_state(services["model_path"])[0])
+    assert [h["metrics"].get("federated") for h in engine["history"]] == [
+        h["metrics"].get("federated") for h in services["history"]]
+
+
+def test_a_failing_client_costs_the_quorum_in_the_engine_as_on_the_services(tmp_path: Path) -> None:
+    failing = "tests.integration.train_plugins:Failing"
+    spec = small_job(clients__min_fit=4, clients__on_error="drop_client", rounds=2, task__name=failing)
+    train_plugins.FAIL_SIZE[0] = shard_size(spec, 0)
+    try:
+        services = on_services(spec, Settings(state_dir=tmp_path / "s", torch_threads=THREADS), idle_timeout=60)
+        engine = run_job(spec, Settings(state_dir=tmp_path / "e", torch_threads=THREADS))
+    finally:
+        train_plugins.FAIL_SIZE[0] = -1
+    assert engine["status"] == "completed"
+    assert [h["failed"] for h in engine["history"]] == [h["failed"] for h in services["history"]] == [0, 1, 1]
+    assert digests(engine) == digests(services)
+
+
+def test_a_client_that_fails_the_job_fails_it_naming_the_client_and_round(tmp_path: Path) -> None:
+    spec = small_job(task__name="tests.integration.train_plugins:Broken", rounds=2)
+    result = run_job(spec, Settings(state_dir=tmp_path))
+    assert result["status"] == "failed"
+    assert "user code failed in learner train (round 1, client 0" in result["reason"]
+    assert "simulated out-of-memory in every client" in result["reason"]
+    assert result["error"]["phase"] == "train"
+
+
+def test_a_job_that_loses_its_quorum_fails_after_its_retries(tmp_path: Path) -> None:
+    spec = small_job(task__name="tests.integration.train_plugins:Broken", clients__on_error="drop_client",
+                     max_round_retries=1)
+    result = run_job(spec, Settings(state_dir=tmp_path))
+    assert result["status"] == "failed"
+    assert result["reason"].startswith("round 1: 0 of 5 clients reported, quorum is 5")
+
+
+class Stopper:
+    """Events for an engine: `interrupt()` it (as Ctrl-C does) or crash it after round `at`."""
+
+    def __init__(self, at: int, crash: bool) -> None:
+        self.at, self.crash = at, crash
+        self.engine: Engine | None = None
+
+    def __call__(self, event: JobEvent) -> None:
+        if event.kind == "round_completed" and event.round == self.at:
+            if self.crash:
+                raise RuntimeError("the process died here")
+            assert self.engine is not None
+            self.engine.interrupt()
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+
+
+@pytest.mark.parametrize(("stop", "at"), [("interrupt", 3), ("crash", 5)])
+@pytest.mark.parametrize("strategy", ["fedadam", "scaffold"])
+def test_a_stopped_or_crashed_engine_resumes_from_its_checkpoint_to_the_same_weights(
+    tmp_path: Path, stop: str, at: int, strategy: str
+) -> None:
+    """A strategy with state of its own (FedAdam's moments) and per-client state (SCAFFOLD's controls)."""
+    spec = small_job(rounds=7, strategy={"name": strategy}, clients__total=6, clients__per_round=4,
+                     compression={"codec": "topk", "fraction": 0.2})
+    whole = run_job(spec, Settings(state_dir=tmp_path / "whole"))
+    settings = Settings(state_dir=tmp_path / "stopped", checkpoint_every=2)
+    stopper = Stopper(at, crash=stop == "crash")
+    if stop == "crash":
+        with pytest.raises(RuntimeError, match="died here"):
+            run_job(spec, settings, job_id="job-1", on_event=stopper, on_engine=stopper.attach)
+    else:
+        stopped = run_job(spec, settings, job_id="job-1", on_event=stopper, on_engine=stopper.attach)
+        assert stopped["status"] == "stopped" and stopped["round"] == at
+    told: list[int] = []
+    resumed = run_job(spec, settings, job_id="job-1", resume=True,
+                      on_event=lambda e: told.append(e.round) if e.kind == "round_completed" else None)
+    assert resumed["status"] == "completed", resumed.get("reason")
+    # A stop checkpoints the round it ends; a crash goes back to the last checkpoint (every 2 rounds).
+    checkpointed = at if stop == "interrupt" else at - at % 2
+    assert told == list(range(spec.rounds + 1)), "the rounds before the checkpoint told again, then the rest"
+    assert digests(resumed) == digests(whole)
+    assert_bit_identical(load_state(resumed["model_path"])[0], load_state(whole["model_path"])[0])
+    assert checkpointed in {int(r) for r in load_rounds(tmp_path / "stopped", "job-1")}
+
+
+def load_rounds(state: Path, job_id: str) -> dict[str, str]:
+    import json
+
+    return dict(json.loads((state / "engine" / job_id / "rounds.json").read_text()))
+
+
+def test_the_best_round_is_kept_whatever_the_checkpoints(tmp_path: Path) -> None:
+    spec: JobSpec = small_job(rounds=5, objective={"metric": "server.loss", "mode": "min"})
+    import fedmq
+
+    result = fedmq.run(spec, state_dir=tmp_path)
+    assert result.ok and result.best is not None
+    best = result.best_model()
+    assert sum(p.numel() for p in best.parameters()) > 0
+    with pytest.raises(LookupError, match="FEDMQ_CHECKPOINT_EVERY"):
+        result.weights(1 if result.best["round"] != 1 else 2)
