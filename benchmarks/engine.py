@@ -60,8 +60,8 @@ def spec(case: str, fuse: bool) -> dict[str, Any]:
     per_round, epochs, rounds = CASES[case]
     return {
         "name": f"bench-{case}", "seed": 0,
-        "task": {"name": "digits", "options": {"model": {"name": "mlp", "hidden": [128]}, "test_fraction": 0.2,
-                                                "partition": {"kind": "iid"}}},
+        "task": {"name": "digits", "options": {
+            "model": {"name": "mlp", "hidden": [128]}, "test_fraction": 0.2, "partition": {"kind": "iid"}}},
         "clients": {"total": CLIENTS, "per_round": per_round},
         "rounds": rounds,
         "train": {"epochs": epochs, "batch_size": 32, "optimizer": "sgd", "lr": 0.05,
@@ -158,7 +158,8 @@ def run_reference(folder: Path, script: str, case: str) -> dict[str, Any] | None
            "--rounds", str(rounds), "--epochs", str(epochs), "--alpha", "1000"]
     out = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, check=False,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    rounds_s = [float(line.split("round_s=")[1]) for line in out.stdout.splitlines() if line.startswith("ROUND")]
+    lines = out.stdout.splitlines()
+    rounds_s = [float(line.split("round_s=")[1]) for line in lines if line.startswith("ROUND")]
     if out.returncode != 0 or len(rounds_s) < 2:
         return {"error": out.stderr[-500:]}
     return {"steady_s": statistics.median(rounds_s[1:]), "rounds": len(rounds_s)}
@@ -196,7 +197,8 @@ def main() -> None:
         out["cases"][case] = {"steady_s": summary,
                               "maxrss_mib": {n: round(r["maxrss_kib"] / 1024, 1) for n, r in row.items()
                                              if "maxrss_kib" in r},
-                              "accuracy": {n: round(r["accuracy"], 4) for n, r in row.items() if "accuracy" in r}}
+                              "accuracy": {n: round(r["accuracy"], 4) for n, r in row.items()
+                                           if "accuracy" in r}}
         for kind, goal in GOALS.get(case, {}).items():
             lines.append(dict(target=f"engine_{case}_{kind}",
                               what=f"fedmq run ({kind}), steady round over a plain loop's, {case}",
@@ -204,12 +206,14 @@ def main() -> None:
                               at_most=goal))
         if case == "epochs5_10":
             lines.append(dict(target="engine_peak_rss", what="peak RSS of fedmq run over the plain loop's",
-                              figure=row["fused"]["maxrss_kib"] / 1024, baseline=row["loop"]["maxrss_kib"] / 1024,
+                              figure=row["fused"]["maxrss_kib"] / 1024,
+                              baseline=row["loop"]["maxrss_kib"] / 1024,
                               unit="MiB", at_most=RSS_GOAL))
         if case == "long_300":
             times = row["fused"]["rounds"]  # gaps: rounds 2..300 (index i is round i + 2)
             early, late = statistics.median(times[8:29]), statistics.median(times[-20:])
-            lines.append(dict(target="engine_long_job", what="last 20 rounds over rounds 10-30, a 300-round job",
+            lines.append(dict(target="engine_long_job",
+                              what="last 20 rounds over rounds 10-30, a 300-round job",
                               figure=late, baseline=early, unit="s a round", at_most=LONG_GOAL))
     print(json.dumps(out, indent=2), flush=True)
     for line in lines:

@@ -189,9 +189,12 @@ class Runner:
         from fedmq.services.engine.run import run_job
 
         history: dict[int, dict[str, Any]] = {}
+
+        def tell(event: JobEvent) -> None:
+            self._on_event(event, spec, job_id, hooks, history)
+
         with self._lock:
-            done = run_job(spec, self.settings, job_id=job_id, allowed=self._project(),
-                           on_event=lambda event: self._on_event(event, spec, job_id, hooks, history))
+            done = run_job(spec, self.settings, job_id=job_id, allowed=self._project(), on_event=tell)
         result = Result(
             job_id=job_id, spec=spec, status=str(done.get("status", "unknown")),
             reason=str(done.get("reason") or ""), history=[RoundRecord.of(h) for h in done["history"]],

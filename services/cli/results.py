@@ -187,9 +187,11 @@ def _from_state(state_dir: Path, job_id: str | None) -> JobHistory:
     """A job a `fedmq run` recorded in `state_dir`, its engine's or its scheduler's (`--services`): the
     named one, else the latest."""
     from fedmq.services.cli import pause
-    from fedmq.services.engine.journal import stored_jobs
+    from fedmq.services.engine.journal import StoredJob, stored_jobs
+    from fedmq.services.scheduler.jobs import SchedJob
 
-    kept = [(j.accepted_at or 0.0, j) for j in pause.stored_jobs(state_dir)]
+    kept: list[tuple[float, SchedJob | StoredJob]] = [
+        (j.accepted_at or 0.0, j) for j in pause.stored_jobs(state_dir)]
     kept += [(j.written_at, j) for j in stored_jobs(state_dir)]
     jobs = [job for _, job in sorted(kept, key=lambda pair: pair[0])]
     if not jobs:

@@ -1,4 +1,5 @@
-"""`fedmq run` SIGKILLed mid-job, then `--resume`: the job ends with an undisturbed run's model, bit for bit."""
+"""`fedmq run` SIGKILLed mid-job, then `--resume`: the job ends with an undisturbed run's model, bit
+for bit."""
 
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from fedmq.common.jobspec import load_job
 from fedmq.common.messages import JobSubmit
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import new_job_id
-from fedmq.services.engine.run import run_job
 from fedmq.services.cli.remote import Remote, SchedulerSilent
+from fedmq.services.engine.run import run_job
 from tests.conftest import assert_bit_identical
 from tests.e2e.cluster import Cluster, cluster
 from tests.support.strategy_cases import CASES

@@ -54,7 +54,8 @@ def test_the_engine_ends_every_round_with_the_services_model(
         spec, transport.settings.model_copy(update={"torch_threads": THREADS, "dp_key": key}),
         connect=transport.connect, idle_timeout=60)
     engine = run_job(spec, Settings(state_dir=tmp_path / "engine", torch_threads=THREADS, dp_key=key))
-    assert services["status"] == engine["status"] == "completed", (services.get("reason"), engine.get("reason"))
+    assert services["status"] == engine["status"] == "completed", (
+        services.get("reason"), engine.get("reason"))
     assert digests(engine) == digests(services)
     assert_bit_identical(load_state(engine["model_path"])[0], load_state(services["model_path"])[0])
     assert [h["metrics"].get("federated") for h in engine["history"]] == [
@@ -66,7 +67,8 @@ def test_a_failing_client_costs_the_quorum_in_the_engine_as_on_the_services(tmp_
     spec = small_job(clients__min_fit=4, clients__on_error="drop_client", rounds=2, task__name=failing)
     train_plugins.FAIL_SIZE[0] = shard_size(spec, 0)
     try:
-        services = on_services(spec, Settings(state_dir=tmp_path / "s", torch_threads=THREADS), idle_timeout=60)
+        services = on_services(spec, Settings(state_dir=tmp_path / "s", torch_threads=THREADS),
+                               idle_timeout=60)
         engine = run_job(spec, Settings(state_dir=tmp_path / "e", torch_threads=THREADS))
     finally:
         train_plugins.FAIL_SIZE[0] = -1
@@ -127,7 +129,7 @@ def test_a_stopped_or_crashed_engine_resumes_from_its_checkpoint_to_the_same_wei
     else:
         stopped = run_job(spec, settings, job_id="job-1", on_event=stopper, on_engine=stopper.attach)
         assert stopped["status"] == "stopped" and stopped["round"] == at
-    told: list[int] = []
+    told: list[int | None] = []
     resumed = run_job(spec, settings, job_id="job-1", resume=True,
                       on_event=lambda e: told.append(e.round) if e.kind == "round_completed" else None)
     assert resumed["status"] == "completed", resumed.get("reason")

@@ -19,7 +19,9 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_memory_and_disk_stores_answer_alike_through_rounds_of_writes_discards_and_prunes(tmp_path: Path) -> None:
+def test_memory_and_disk_stores_answer_alike_through_rounds_of_writes_discards_and_prunes(
+    tmp_path: Path,
+) -> None:
     disk = ClientStore(tmp_path / "disk")
     memory = MemoryClientStore(ClientStore(tmp_path / "flushed"))
     rng = random.Random(7)
