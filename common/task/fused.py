@@ -360,6 +360,8 @@ class _Trainer:
         try:
             if self.dp is not None:
                 grads, aux = self._private(params, group, batches, mask)
+            elif len(group) == 1:
+                grads, aux = self._gradients_alone(leaves, batches, mask)
             else:
                 grads, aux = self._gradients(leaves, batches, mask)
         except (RuntimeError, ValueError, IndexError, TypeError) as err:  # random numbers, no vmap rule
@@ -396,16 +398,31 @@ class _Trainer:
                  for n, g in zip(leaves, found, strict=True)}
         return grads, aux
 
+    def _gradients_alone(
+        self, leaves: dict[str, torch.Tensor], batches: Any, mask: torch.Tensor | None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One client's step, computed as a group of two (itself twice), row 0 kept: a batched
+        product over one matrix takes another kernel than over several (measured: the last bits of
+        a small regressor's weights moved), and a client's bits must not depend on its company."""
+        twice = {n: _twice(leaf).detach().requires_grad_(True) for n, leaf in leaves.items()}
+        grads, aux = self._gradients(twice, _twice(batches), None if mask is None else _twice(mask))
+        return {n: g[:1] for n, g in grads.items()}, {n: a[:1] for n, a in aux.items()}
+
     def _private(
         self, params: dict[str, torch.Tensor], group: list[_Item], batches: Any, mask: torch.Tensor | None
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Each client's DP-SGD gradient, its noise drawn from its own stream as the sequential loop does."""
+        """Each client's DP-SGD gradient, its noise drawn from its own stream as the sequential loop does
+        (one client alone as a group of two, as `_gradients_alone` says why)."""
         assert self.dp is not None and mask is not None
         dtype = next(iter(params.values())).dtype
         noise = torch.stack([
             draw_noise(self.noise[i], self.numel, self.dp, self.device, dtype) for i, _, _ in group
         ])
-        return self.private_rows({n: p.detach() for n, p in params.items()}, batches, mask.to(dtype), noise)
+        rows = {n: p.detach() for n, p in params.items()}
+        if len(group) > 1:
+            return self.private_rows(rows, batches, mask.to(dtype), noise)
+        grads, aux = self.private_rows(_twice(rows), _twice(batches), _twice(mask.to(dtype)), _twice(noise))
+        return {n: g[:1] for n, g in grads.items()}, {n: a[:1] for n, a in aux.items()}
 
     def _batch(self, client: int, item: Any) -> Any:
         """A client's batch: `item` itself, or with a bank the examples its index slice names."""
@@ -542,6 +559,15 @@ def _pad(batch: Any, size: int) -> Any:
     if isinstance(batch, tuple | list):
         return type(batch)(_pad(b, size) for b in batch)
     return {k: _pad(v, size) for k, v in batch.items()}
+
+
+def _twice(value: Any) -> Any:
+    """Tensors (of a batch, a tree of them) with their one row along the client axis repeated."""
+    if isinstance(value, torch.Tensor):
+        return torch.cat([value, value])
+    if isinstance(value, tuple | list):
+        return type(value)(_twice(v) for v in value)
+    return {k: _twice(v) for k, v in value.items()}
 
 
 def _stack(batches: list[Any], device: torch.device) -> Any:

@@ -186,6 +186,7 @@ class Runner:
 
     def _run_here(self, spec: JobSpec, job_id: str, hooks: list[Callback]) -> Result:
         """The job on the in-process engine, its events told to the callbacks as they come."""
+        from fedmq.services.engine.journal import cancel
         from fedmq.services.engine.run import run_job
 
         history: dict[int, dict[str, Any]] = {}
@@ -194,7 +195,12 @@ class Runner:
             self._on_event(event, spec, job_id, hooks, history)
 
         with self._lock:
-            done = run_job(spec, self.settings, job_id=job_id, allowed=self._project(), on_event=tell)
+            try:
+                done = run_job(spec, self.settings, job_id=job_id, allowed=self._project(), on_event=tell)
+            except BaseException as exc:  # a callback raised, Ctrl-C: the job stops here, recorded so
+                why = f"the program running it stopped: {type(exc).__name__}"
+                cancel(self.settings.state_dir, job_id, why)
+                raise
         result = Result(
             job_id=job_id, spec=spec, status=str(done.get("status", "unknown")),
             reason=str(done.get("reason") or ""), history=[RoundRecord.of(h) for h in done["history"]],

@@ -131,6 +131,7 @@ class Engine:
         self._state: dict[str, torch.Tensor] = {}  # the strategy's state after the last round
         self._best_weights: dict[str, torch.Tensor] | None = None  # kept until a checkpoint writes them
         self._said: set[str] = set()
+        self._checkpointed = -1  # the round of the last checkpoint written
 
     @property
     def job(self) -> AggJob:
@@ -155,8 +156,9 @@ class Engine:
             self.journal.finish(self.progress, final)
             self._event("failed", round=max(self.progress.round, 0), data=final)
             return final
-        if self.progress.round < self.spec.rounds:
-            self.journal.save(self.progress, "running")
+        if self.progress.round < self.spec.rounds:  # stopped: a checkpoint of the last round, if not yet
+            if self._checkpointed != self.progress.round:
+                self.checkpoint()
             return {"status": "stopped", "round": self.progress.round}
         last = self.progress.history[-1]
         final = {"status": "completed", "reason": "", "model_path": last.get("model_path"),
@@ -199,6 +201,7 @@ class Engine:
         self._keep_state_in_memory(load=saved.round)
         self._state = strategy_state(self.job, saved.round)
         self.job.digest = state_digest(self.job.weights)
+        self._checkpointed = saved.round
         log.info("job_resumed", job=self.job_id, round=saved.round)
 
     def _keep_state_in_memory(self, load: int | None = None) -> None:
@@ -284,7 +287,11 @@ class Engine:
                 continue
             if state.record_update(task.client, outcome.num_examples):
                 updates[task.client] = outcome
-                sync["train_seconds"] = sync.get("train_seconds", 0.0) + outcome.train_seconds
+                _add(sync, "train_seconds", outcome.train_seconds)
+                _add(sync, "bytes_up", float(_payload([outcome])))  # by reference here: what it holds
+        if updates and "bytes_down" not in sync:  # one learner: the round's model once, by reference
+            model = sum(t.numel() * t.element_size() for t in self.job.weights.values())
+            _add(sync, "bytes_down", float(model))
 
     def _train_one(self, task: TrainTask) -> ClientUpdate | Exception:
         try:
@@ -440,6 +447,7 @@ class Engine:
             store.flush()
         job.store.save_json("examples", {str(c): n for c, n in sorted(job.examples.items())})
         self.journal.save(progress, "running")
+        self._checkpointed = progress.round
         for store in stores:
             store.prune_disk()
 
@@ -464,6 +472,10 @@ class Engine:
         if key not in self._said:
             self._said.add(key)
             self.on_notice(text)
+
+
+def _add(sync: dict[str, float], key: str, value: float) -> None:
+    sync[key] = sync.get(key, 0.0) + value
 
 
 def _payload(updates: Any) -> int:

@@ -93,10 +93,14 @@ def stored_jobs(state_dir: Path) -> list[StoredJob]:
     return found
 
 
-def final_of(state_dir: Path, job_id: str) -> dict[str, Any] | None:
-    """How a job the engine ran ended (status, reason, model_path, best); None while it runs."""
-    doc = _read(Path(state_dir) / "engine" / job_id / FILE)
-    return None if doc is None else doc.get("final")
+def cancel(state_dir: Path, job_id: str, reason: str) -> None:
+    """Record a job the engine ran as cancelled (its caller stopped following it), if it had begun."""
+    path = Path(state_dir) / "engine" / job_id / FILE
+    doc = _read(path)
+    if doc is None:
+        return
+    final = {"status": "cancelled", "reason": reason}
+    statefiles.atomic_write(path, json.dumps(doc | {"status": "cancelled", "final": final}).encode(), False)
 
 
 def _of(progress: Progress) -> dict[str, Any]:

@@ -251,12 +251,10 @@ class Work:
         self.fetch = fetch
         self.fetch_state = fetch_state
         self.metrics = metrics
-        # A fused group holds its clients' data at once anyway; a cache smaller than a group would
-        # load every client of every round again (100 digits clients a round: 64 cached, none hit).
         # DP-SGD's secret (the same on every learner, never on the server); else one of this process's.
         self.dp_key = (settings.dp_key.get_secret_value().encode() if settings.dp_key is not None
                        else secrets.token_bytes(32))
-        self.data = ClientDataCache(max(settings.data_cache_clients, settings.fuse_clients))
+        self.data = ClientDataCache(settings.data_cache_clients)
         self._jobs: OrderedDict[str, JobContext] = OrderedDict()
         self._models: OrderedDict[str, Mapping[str, torch.Tensor]] = OrderedDict()
         self.fetches = 0  # global models fetched over the bus (the rest came from the cache)
@@ -290,7 +288,8 @@ class Work:
         train = task.spec.get("train")
         if (isinstance(train, dict) and train.get("fuse") is False) or task.config.get(CLIENT_STATE):
             return False
-        return self.job_spec(task).train.fuse is not False
+        job = self._job(task.job_id, task.spec)
+        return job.spec.train.fuse is not False and not has_train(job.runtime.task)
 
     def unfused_reason(self, task: TrainTask) -> str:
         """Why a fusable task's clients trained one at a time (said once by `fedmq run`)."""
@@ -314,6 +313,9 @@ class Work:
         the same kernel as a group, so its client's bits do not depend on the others (on CPU)."""
         first = tasks[0]
         job = self._job(first.job_id, first.spec)
+        # A fused group holds its clients' data at once anyway; a cache smaller than a group would
+        # load every client of every round again (100 digits clients a round: 64 cached, none hit).
+        self.data.limit = max(self.data.limit, min(len(tasks), self.settings.fuse_clients))
         started = time.perf_counter()
         weights, fetch_bytes = self._weights(first.job_id, first.model_digest)
         fetched = time.perf_counter()

@@ -1,5 +1,6 @@
-"""The Python API's Runner: a run it stops following (a callback raises, Ctrl-C, a timeout) leaves
-no job training unwatched, and its services are gone when the `with` block ends."""
+"""The Python API's Runner, on the engine and on the services: a run it stops following (a callback
+raises, Ctrl-C, a timeout) leaves no job training unwatched, recorded as cancelled, and its services
+are gone when the `with` block ends."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import fedmq
+from fedmq.services.engine.journal import stored_jobs
 from fedmq.services.scheduler.store import JobRows
 from tests.conftest import small_job
 
@@ -26,32 +28,40 @@ class FailsInRound(fedmq.Callback):
             raise Boom(f"my callback broke in round {round}")
 
 
-def statuses(state_dir: Path) -> dict[str, str]:
+def statuses(state_dir: Path, services: bool) -> dict[str, str]:
+    if not services:
+        return {job.job_id: job.status for job in stored_jobs(state_dir)}
     rows = JobRows(state_dir / "scheduler" / "jobs.sqlite")
     rows.open()
     return {row["job_id"]: row["status"] for row in rows.load()}
 
 
-def test_a_callback_that_raises_cancels_its_job_and_the_runner_goes_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("services", [False, True], ids=["engine", "services"])
+def test_a_callback_that_raises_cancels_its_job_and_the_runner_goes_on(
+    tmp_path: Path, services: bool
+) -> None:
     before = set(threading.enumerate())
-    with fedmq.Runner(state_dir=tmp_path) as runner:
+    with fedmq.Runner(state_dir=tmp_path, services=services) as runner:
         with pytest.raises(Boom, match="round 1"):
             runner.run(small_job(rounds=30), callbacks=[FailsInRound(1)])
         after = runner.run(small_job(rounds=1))
         assert after.ok
-    jobs = statuses(tmp_path)
+    jobs = statuses(tmp_path, services)
     assert sorted(jobs.values()) == ["cancelled", "completed"], jobs
     assert set(threading.enumerate()) <= before, "the Runner's services stopped with the with block"
 
 
-def test_a_run_interrupted_by_its_caller_leaves_nothing_for_the_next_runner_to_resume(tmp_path: Path) -> None:
+@pytest.mark.parametrize("services", [False, True], ids=["engine", "services"])
+def test_a_run_interrupted_by_its_caller_leaves_nothing_for_the_next_runner_to_resume(
+    tmp_path: Path, services: bool
+) -> None:
     class CtrlC(fedmq.Callback):
         def on_round_start(self, round: int) -> None:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        fedmq.run(small_job(rounds=30), state_dir=tmp_path, callbacks=[CtrlC()])
-    assert list(statuses(tmp_path).values()) == ["cancelled"]
+        fedmq.run(small_job(rounds=30), state_dir=tmp_path, callbacks=[CtrlC()], services=services)
+    assert list(statuses(tmp_path, services).values()) == ["cancelled"]
 
 
 def test_an_objective_no_round_reported_gives_no_best_model_but_says_why(tmp_path: Path) -> None:
@@ -64,7 +74,8 @@ def test_an_objective_no_round_reported_gives_no_best_model_but_says_why(tmp_pat
 
 def test_sync_statistics_count_the_models_fetched_for_federated_evaluation(tmp_path: Path) -> None:
     spec = small_job(rounds=2, evaluate={"every": 2, "federated": {"clients": 2}})
-    result = fedmq.run(spec, state_dir=tmp_path)  # one learner: each global model crosses once
+    # The services' one learner: each global model crosses once (on the engine nothing crosses).
+    result = fedmq.run(spec, state_dir=tmp_path, services=True)
     assert result.ok
     first, last = (result.history[r].sync["bytes_down"] for r in (1, 2))
     assert first > 0

@@ -47,7 +47,8 @@ def test_the_federated_gan_draws_digits_closer_to_real_ones_than_an_untrained_on
     # The documented measure (examples/gan.py): unbiased MMD² against held-out real digits.
     assert trained < untrained / 4, (untrained, trained)
     assert {"g_loss", "d_loss"} <= set(result.history[-1].metrics["train"])
-    png = tmp_path / "aggregator" / result.job_id / "artifacts" / "samples.png"
+    assert result.model_path is not None
+    png = Path(result.model_path).parent / "artifacts" / "samples.png"  # beside the job's model
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
