@@ -159,7 +159,7 @@ def run_reference(folder: Path, script: str, case: str) -> dict[str, Any] | None
     out = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, check=False,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines = out.stdout.splitlines()
-    rounds_s = [float(line.split("round_s=")[1]) for line in lines if line.startswith("ROUND")]
+    rounds_s = [float(line.split("round_s=")[1].split()[0]) for line in lines if line.startswith("ROUND")]
     if out.returncode != 0 or len(rounds_s) < 2:
         return {"error": out.stderr[-500:]}
     return {"steady_s": statistics.median(rounds_s[1:]), "rounds": len(rounds_s)}

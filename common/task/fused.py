@@ -34,6 +34,7 @@ controls, or `max_steps`.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,7 @@ class Fused:
 
     weights: dict[str, torch.Tensor]
     result: TrainResult
+    finite: bool = False  # True: every value of `weights` was seen finite (False: not known)
 
 
 def can_fuse(model: nn.Module, ctx: TrainContext) -> str | None:
@@ -121,6 +123,11 @@ def train_fused(
         model.train(mode)
 
 
+# Each Task's answer to "does its loss average its examples?", asked on its first fused batch and
+# kept while the Task lives (a learner or the engine keeps one per job): asked again every round,
+# its two gradients took a quarter of a fused one-step round of 10 digits clients.
+_AVERAGES: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
 PLAN_ROWS = 1 << 18  # bank rows planned at once: 2 MiB of int64 indices, ~8k batches' slices on the host
 _Item = tuple[int, Any, bool]  # a client's batch in a step: (client, batch or index slice, starts an epoch)
 
@@ -149,6 +156,7 @@ class _Trainer:
         self, task: Task, model: nn.Module, sources: list[Source], ctxs: Sequence[TrainContext],
         device: torch.device,
     ) -> None:
+        self.task = task
         self.call = LossCall(task, model)
         self.ctxs = ctxs
         self.settings = ctxs[0].train
@@ -245,7 +253,16 @@ class _Trainer:
         names = list(self.totals)
         totals = torch.stack([self.totals[n] for n in names]).cpu().tolist() if names else []  # one host sync
         per_client = [{n: t[i] for n, t in zip(names, totals, strict=True)} for i in range(self.count)]
-        return [self._outcome(i, sums) for i, sums in enumerate(per_client)]
+        finite = self._finite()
+        return [self._outcome(i, sums, finite[i]) for i, sums in enumerate(per_client)]
+
+    def _finite(self) -> list[bool]:
+        """Whether each client's weights are all finite: one check of the stacked rows, not one per
+        client and tensor (a diverged client is then named by the runtime's own check)."""
+        rows = [r.reshape(self.count, -1) for r in self.rows.values() if r.is_floating_point() and r.numel()]
+        if not rows:
+            return [True] * self.count
+        return [bool(ok) for ok in torch.stack([torch.isfinite(r).all(1) for r in rows]).all(0).tolist()]
 
     def _steps(self) -> Iterator[list[_Item]]:
         """Each step's batches: every client's next one, while any client has one."""
@@ -263,7 +280,10 @@ class _Trainer:
         rows = 0
         for step, pending in enumerate(self._steps(), 1):
             if self.masked is None:
-                self.masked = self._decide(pending)
+                self.masked = _AVERAGES.get(self.task)
+                if self.masked is None:
+                    self.masked = self._decide(pending)
+                    _remember(self.task, self.masked)
             window.append((step, pending))
             rows += self.settings.batch_size * len(pending)  # no batch is longer
             if self.bank is None or rows >= PLAN_ROWS:
@@ -503,14 +523,14 @@ class _Trainer:
         denom = v.sqrt() / correction2 + ADAM_EPS
         return p - (self.settings.lr / correction1) * (m / denom)
 
-    def _outcome(self, i: int, totals: dict[str, float]) -> Fused:
+    def _outcome(self, i: int, totals: dict[str, float], finite: bool) -> Fused:
         weights = {n: self.rows[n][i].detach().clone() for n in self.names}
         seen = self.seen[i]
         metrics = {name: total / seen for name, total in totals.items()} if seen else {}
         if self.dp is not None:
             rounds = self.ctxs[i].round
             metrics |= epsilon_spent(self.dp, self.settings.batch_size, self.sizes[i], self.steps[i], rounds)
-        return Fused(weights, TrainResult(seen, metrics))
+        return Fused(weights, TrainResult(seen, metrics), finite)
 
 
 def _stream(
@@ -559,6 +579,13 @@ def _pad(batch: Any, size: int) -> Any:
     if isinstance(batch, tuple | list):
         return type(batch)(_pad(b, size) for b in batch)
     return {k: _pad(v, size) for k, v in batch.items()}
+
+
+def _remember(task: Any, averages: bool) -> None:
+    try:
+        _AVERAGES[task] = averages
+    except TypeError:  # a Task that takes no weak reference (__slots__): asked each time
+        pass
 
 
 def _twice(value: Any) -> Any:

@@ -182,7 +182,7 @@ class TaskRuntime:
             try:
                 with user_code("loss", client=ctx.client, round=ctx.round):
                     metrics = check_metrics(one.result.metrics, "training metrics")
-                    if bad := _non_finite(weights):
+                    if not one.finite and (bad := _non_finite(weights)):
                         raise _diverged(bad)
                 out.append((weights, TrainResult(one.result.num_examples, metrics)))
             except UserCodeError as exc:

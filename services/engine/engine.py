@@ -78,6 +78,7 @@ log = structlog.get_logger("fedmq.engine")
 
 SETTLED = 0.0  # every client of an attempt has answered when the engine asks RoundState to decide
 NAME = "engine"  # the learner name its updates and failures carry
+DATA_CLIENTS = 1024  # clients whose data the engine keeps loaded by default (a learner: 64)
 
 
 class JobStopped(Exception):
@@ -111,11 +112,14 @@ class Engine:
         self.job_id = job_id
         self.allowed = allowed
         sampled = spec.clients.sampled
-        # One process holds the whole round: its clients train together (when they fuse) and their
-        # data stays loaded from round to round as far as the cache allows.
+        # One process holds the whole round: its clients train together (when they fuse), and their
+        # data stays loaded from round to round, as a plain loop keeps it: every client's, up to
+        # DATA_CLIENTS, unless FEDMQ_DATA_CACHE_CLIENTS says how many (at least a round's).
+        cached = (settings.data_cache_clients if "data_cache_clients" in settings.model_fields_set
+                  else min(spec.clients.total, DATA_CLIENTS))
         self.settings = settings.model_copy(update={
             "fuse_clients": max(settings.fuse_clients, sampled),
-            "data_cache_clients": max(settings.data_cache_clients, sampled),
+            "data_cache_clients": max(cached, sampled),
         })
         self.root = Path(settings.state_dir) / "engine"
         self.journal = Journal(self.root, job_id, settings.fsync)
