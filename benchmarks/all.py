@@ -33,6 +33,7 @@ TIMEOUT_S = 1800  # a benchmark that hangs is killed, named as failed, and the o
 # (file, arguments): the order runs the quick ones first.
 BENCHMARKS: list[tuple[str, list[str]]] = [
     ("codec", []),
+    ("engine", []),
     ("embedded", []),
     ("round_overhead", []),
     ("round_overhead", ["--clients", "100", "--rounds", "12"]),

@@ -33,6 +33,7 @@ controls, or `max_steps`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -280,7 +281,7 @@ class _Trainer:
         rows = 0
         for step, pending in enumerate(self._steps(), 1):
             if self.masked is None:
-                self.masked = _AVERAGES.get(self.task)
+                self.masked = _remembered(self.task)
                 if self.masked is None:
                     self.masked = self._decide(pending)
                     _remember(self.task, self.masked)
@@ -581,11 +582,16 @@ def _pad(batch: Any, size: int) -> Any:
     return {k: _pad(v, size) for k, v in batch.items()}
 
 
-def _remember(task: Any, averages: bool) -> None:
+def _remembered(task: Any) -> bool | None:
     try:
+        return _AVERAGES.get(task)
+    except TypeError:  # a Task that cannot be a key (__eq__ without __hash__): asked each time
+        return None
+
+
+def _remember(task: Any, averages: bool) -> None:
+    with contextlib.suppress(TypeError):  # as `_remembered`
         _AVERAGES[task] = averages
-    except TypeError:  # a Task that takes no weak reference (__slots__): asked each time
-        pass
 
 
 def _twice(value: Any) -> Any:

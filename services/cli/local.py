@@ -15,7 +15,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 
-from fedmq.common.errors import ConfigError
+from fedmq.common.errors import ConfigError, StateUnwritable
 from fedmq.common.jobspec import JobSpec, canonical_json
 from fedmq.common.logging import configure_logging
 from fedmq.services.cli.app import (
@@ -98,6 +98,11 @@ def run(
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except ConfigError as exc:  # a setting only the services check, such as FEDMQ_DEVICE
         _refuse(str(exc))
+    except (StateUnwritable, OSError) as exc:  # the engine's checkpoint: the job resumes from the last
+        err.print(f"error: the state directory {settings.state_dir} could not be written ({exc}); free "
+                  f"some space or fix its rights, then resume: {again}",
+                  highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(EXIT_FAILED) from None
     if result["status"] == "completed":
         _save_best(_jobs_root(settings.state_dir, services), job_id, spec, result)
     if json_out:
@@ -183,6 +188,11 @@ def _check_state(state_dir: Path, spec: JobSpec, job: Path, resume: str | None, 
     if found is None:
         known = ", ".join(j.job_id for j in jobs) or "none"
         _refuse(f"{state_dir} holds no job {resume} (jobs there: {known}); is --state-dir the same?")
+    if not services and found.status != "running":
+        _refuse(f"job {resume} has {found.status}: there is nothing to resume (`fedmq plot --state-dir "
+                f"{state_dir} {resume}` shows its rounds)")
+    if not services and found.round < 0:
+        _refuse(f"job {resume} stopped before its first checkpoint: start it again, without --resume")
     if canonical_json(found.spec) != canonical_json(spec):
         _refuse(f"job {resume} was started from another spec: resume it with the same job spec, "
                 "--rounds and --seed as it began")

@@ -45,7 +45,7 @@ from fedmq.common.settings import Settings
 from fedmq.common.strategy.clients import ClientStore
 from fedmq.common.usercode import UserCodeError
 from fedmq.services.aggregator.jobs import CLIENTS, RESIDUALS, AggJob, new_job, restore_job
-from fedmq.services.aggregator.limits import check_model
+from fedmq.services.aggregator.limits import check_model, retained
 from fedmq.services.aggregator.rounds import (
     client_result,
     clip_norm,
@@ -76,7 +76,9 @@ from fedmq.services.scheduler.sampling import sample_clients
 
 log = structlog.get_logger("fedmq.engine")
 
-SETTLED = 0.0  # every client of an attempt has answered when the engine asks RoundState to decide
+# An attempt's end, for RoundState: every client has answered or stays silent (an update the
+# aggregator's checks refuse is dropped unannounced on the services; its client misses the deadline).
+DEADLINE = math.inf
 NAME = "engine"  # the learner name its updates and failures carry
 DATA_CLIENTS = 1024  # clients whose data the engine keeps loaded by default (a learner: 64)
 
@@ -122,7 +124,7 @@ class Engine:
             "data_cache_clients": max(cached, sampled),
         })
         self.root = Path(settings.state_dir) / "engine"
-        self.journal = Journal(self.root, job_id, settings.fsync)
+        self.journal = Journal(self.root, job_id, canonical_json(spec), settings.fsync)
         self.on_event = on_event or (lambda event: None)
         self.on_notice = on_notice or (lambda text: None)
         self.work = Work(self.settings, NAME, self._fetch, Metrics(), self._client_state, allowed)
@@ -136,6 +138,7 @@ class Engine:
         self._best_weights: dict[str, torch.Tensor] | None = None  # kept until a checkpoint writes them
         self._said: set[str] = set()
         self._checkpointed = -1  # the round of the last checkpoint written
+        self._current = 0  # the round in progress, or the last one completed
 
     @property
     def job(self) -> AggJob:
@@ -149,7 +152,10 @@ class Engine:
     # -- the job --------------------------------------------------------------------
 
     def run(self, resume: bool = False) -> dict[str, Any]:
-        """Train the job to its end (or to a stop); its status, history and where its model is."""
+        """Train the job to its end (or to a stop); its status, history and where its model is.
+
+        FedmqError when there is nothing to resume; a state directory that cannot be written
+        (StateUnwritable, OSError) goes to the caller, the job resumable from its last checkpoint."""
         final: dict[str, Any]
         try:
             self._resume() if resume else self._start()
@@ -158,7 +164,7 @@ class Engine:
         except JobStopped as exc:
             final = {"status": "failed", "reason": exc.reason, **({"error": exc.error} if exc.error else {})}
             self.journal.finish(self.progress, final)
-            self._event("failed", round=max(self.progress.round, 0), data=final)
+            self._event("failed", round=self._current, data=final)
             return final
         if self.progress.round < self.spec.rounds:  # stopped: a checkpoint of the last round, if not yet
             if self._checkpointed != self.progress.round:
@@ -171,14 +177,18 @@ class Engine:
         self._event("completed", round=self.progress.round, data=final)
         return final
 
+    def _accepted(self) -> None:
+        objective = None if self.spec.objective is None else self.spec.objective.model_dump()
+        data = {"name": self.spec.name, "objective": objective}
+        self._event("accepted", rounds=self.spec.rounds, data=data)
+
     def _start(self) -> None:
         settings = self.settings
-        objective = None if self.spec.objective is None else self.spec.objective.model_dump()
-        self._event("accepted", rounds=self.spec.rounds, data={"name": self.spec.name,
-                                                                "objective": objective})
+        self.journal.start()
         refusal = check_submission(self.spec, settings, 0)
-        if refusal is not None:
+        if refusal is not None:  # as the scheduler refuses it: failed, never accepted
             raise JobStopped(refusal.message)
+        self._accepted()
         try:
             self._job = new_job(self.root, self.job_id, self.spec, self.allowed, settings.fsync)
             check_model(self.job.weights, settings.max_model_bytes)
@@ -187,24 +197,29 @@ class Engine:
         except FedmqError as exc:
             raise JobStopped(f"aggregator: {exc}") from None
         self._keep_state_in_memory()
-        self.journal.start(canonical_json(self.spec))
         self.job.store.save_spec(canonical_json(self.spec))
         closed = self._settle(RoundClosed(job_id=self.job_id, round=0, model_digest=""))
         self._complete(round_record(closed, {}, clients=0, failed=0, seconds=0.0))
 
     def _resume(self) -> None:
         """The job as its last checkpoint left it; its rounds so far told again as events."""
-        saved = self.journal.load()
+        saved, examples = self.journal.load()
         if saved is None:
-            raise FedmqError(f"no job {self.job_id} to resume in {self.root.parent}")
+            raise FedmqError(f"job {self.job_id} in {self.root.parent} stopped before its first "
+                             "checkpoint, or ended: nothing to resume (start it again)")
         self.progress = saved
-        self._event("accepted", rounds=self.spec.rounds, data={"name": self.spec.name})
+        self._accepted()
         for record in saved.history:
             self._event("round_completed", round=record["round"], data=record)
-        self._job = restore_job(self.root, self.job_id, self.allowed, self.settings.fsync, at=saved.round)
+        try:
+            self._job = restore_job(self.root, self.job_id, self.allowed, self.settings.fsync, at=saved.round)
+            self._state = strategy_state(self.job, saved.round)
+        except UserCodeError as exc:
+            raise JobStopped(*self._aggregator_error(exc, saved.round)) from None
+        except FedmqError as exc:  # code the allow-list no longer lets in
+            raise JobStopped(f"aggregator: {exc}") from None
+        self.job.examples = examples  # as the checkpoint knew them (examples.json may be newer)
         self._keep_state_in_memory(load=saved.round)
-        self._state = strategy_state(self.job, saved.round)
-        self.job.digest = state_digest(self.job.weights)
         self._checkpointed = saved.round
         log.info("job_resumed", job=self.job_id, round=saved.round)
 
@@ -216,13 +231,16 @@ class Engine:
         if load is not None:
             for store in (self.job.client_store, self.job.residual_store):
                 store.load(load)
+                store.disk.discard_from(load + 1)  # a crashed run's, after its last checkpoint
 
     # -- a round --------------------------------------------------------------------
 
     def _round(self, server_round: int) -> None:
         spec = self.spec
+        self._current = server_round
         started = time.monotonic()
         clients = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
+        log.info("round_started", round=server_round, clients=len(clients))
         self._event("round_started", round=server_round, data={"clients": len(clients)})
         state = RoundState(round=server_round, clients=clients, quorum=spec.clients.quorum, deadline=math.inf,
                            retries_left=spec.max_round_retries, started=started)
@@ -231,7 +249,7 @@ class Engine:
         todo = clients
         while True:
             self._train(server_round, todo, state, updates, sync)
-            decision = state.decide(SETTLED)
+            decision = state.decide(DEADLINE)
             if decision is Decision.RETRY:
                 log.warning("round_retry", round=server_round, missing=len(state.missing),
                             retries_left=state.retries_left - 1)
@@ -242,6 +260,7 @@ class Engine:
                 raise JobStopped(f"round {server_round}: {len(state.reported)} of {len(state.clients)} "
                                  f"clients reported, quorum is {state.quorum}; failures: "
                                  f"{reasons or 'timeouts'}")
+            assert decision is Decision.CLOSE, decision
             break
         closed = self._close(server_round, state, updates)
         del updates  # the round's trained weights: only the new global model remains
@@ -271,7 +290,10 @@ class Engine:
         outcomes: list[ClientUpdate | Exception]
         if together:
             groups = len(self.work.fused_groups)
-            outcomes = self.work.train_group(tasks)
+            try:
+                outcomes = self.work.train_group(tasks)
+            except Exception as exc:  # the group's own work failed (its model, say): each task says so
+                outcomes = [exc] * len(tasks)
             if len(self.work.fused_groups) == groups and "unfused" not in self._said:
                 why = self.work.unfused_reason(tasks[0])
                 self._notice_once("unfused", f"note: this job's clients train one at a time: {why}")
@@ -285,9 +307,8 @@ class Engine:
                 # finite: the learner's runtime saw every value finite (else the client diverged)
                 check_job_update(self.job, outcome, finite=True)
             except ValidationError as exc:
-                self.rejected[exc.reason] += 1
+                self.rejected[exc.reason] += 1  # counted, and the client stays silent, as on the services
                 log.warning("update_rejected", client=task.client, reason=exc.reason, detail=str(exc)[:300])
-                state.record_failure(task.client, f"rejected: {exc}", "rejected")
                 continue
             if state.record_update(task.client, outcome.num_examples):
                 updates[task.client] = outcome
@@ -303,9 +324,11 @@ class Engine:
         except Exception as exc:
             return exc
 
-    def _client_failed(self, state: RoundState, client: int, server_round: int, exc: Exception) -> None:
-        """A client's training failed: the job fails (its user code, with clients.on_error: fail_job),
-        or the client is one of the round's failures, as the scheduler records a ClientFailure."""
+    def _client_failed(
+        self, state: RoundState, client: int, server_round: int, exc: Exception, training: bool = True
+    ) -> None:
+        """A client's task failed: the job fails (its user code, with clients.on_error: fail_job),
+        or the client is one of the attempt's failures, as the scheduler records a ClientFailure."""
         if isinstance(exc, UserCodeError):
             error = exc.info("learner", round=server_round, client=client, learner=NAME)
             if self.spec.clients.on_error == "fail_job":
@@ -318,7 +341,10 @@ class Engine:
         else:
             log.error("task_crashed", client=client, error=f"{type(exc).__name__}: {exc}"[:500], exc_info=exc)
             code, reason, phase = "error", f"{type(exc).__name__}: {exc}", "error"
-        state.record_failure(client, f"{code}: {reason[:500]}", phase)
+        if training:
+            state.record_failure(client, f"{code}: {reason[:500]}", phase)
+        else:  # an evaluation's failure: no phase, as the scheduler records it
+            state.record_failure(client, f"{code}: {reason[:500]}")
 
     def _close(self, server_round: int, state: RoundState, updates: dict[int, ClientUpdate]) -> RoundClosed:
         """The round's updates folded into the global model by the strategy, and the round settled."""
@@ -398,16 +424,12 @@ class Engine:
                 try:
                     report = self.work.evaluate(task)
                 except Exception as exc:
-                    if isinstance(exc, UserCodeError) and self.spec.clients.on_error == "fail_job":
-                        error = exc.info("learner", round=server_round, client=client, learner=NAME)
-                        raise JobStopped(error.line(), error.model_dump()) from None
-                    code = "user_code" if isinstance(exc, UserCodeError) else "invalid"
-                    state.record_failure(client, f"{code}: {str(exc)[:500]}")
+                    self._client_failed(state, client, server_round, exc, training=False)
                     continue
                 if state.record_update(client, report.num_examples):
                     reports[client] = {"num_examples": report.num_examples, "metrics": report.metrics,
                                        "reduction": report.reduction}
-            decision = state.decide(SETTLED)
+            decision = state.decide(DEADLINE)
             if decision is Decision.RETRY:
                 todo = state.retry(math.inf)
                 continue
@@ -449,11 +471,15 @@ class Engine:
         stores = [s for s in (job.client_store, job.residual_store) if isinstance(s, MemoryClientStore)]
         for store in stores:
             store.flush()
-        job.store.save_json("examples", {str(c): n for c, n in sorted(job.examples.items())})
-        self.journal.save(progress, "running")
+        self.journal.save(progress, "running", job.examples)
         self._checkpointed = progress.round
         for store in stores:
             store.prune_disk()
+        if self.settings.keep_checkpoints:  # as the aggregator prunes: the last N, and the best
+            best = [str(progress.best["model_digest"])] if progress.best else []
+            kept = retained(job.store.rounds(), progress.round, self.settings.keep_checkpoints,
+                            [job.digest, *best])
+            job.store.prune_checkpoints(kept)
 
     # -- what the learner's Work asks for --------------------------------------------------
 

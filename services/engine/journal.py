@@ -32,7 +32,7 @@ class StoredJob:
     job_id: str
     spec: JobSpec
     status: str
-    round: int
+    round: int  # of its last checkpoint (-1: none yet)
     history: list[dict[str, Any]]
     best: dict[str, Any] | None
     written_at: float  # when its journal was last written (seconds since the epoch)
@@ -41,39 +41,43 @@ class StoredJob:
 class Journal:
     """One job's journal file."""
 
-    def __init__(self, root: Path, job_id: str, sync: bool = True) -> None:
+    def __init__(self, root: Path, job_id: str, spec_json: str, sync: bool = True) -> None:
         self.path = Path(root) / job_id / FILE
         self.job_id = job_id
+        self.spec = spec_json
         self.sync = sync
-        self._spec = ""
 
-    def start(self, spec_json: str) -> None:
+    def start(self) -> None:
         """A new job: its spec, before round 0."""
-        self._spec = spec_json
-        self._write({"status": "running", "round": -1, "history": [], "best": None, "config": {}})
+        self._write({"status": "running", "round": -1, "history": [], "best": None, "config": {},
+                     "examples": {}})
 
-    def save(self, progress: Progress, status: str) -> None:
-        self._write(_of(progress) | {"status": status})
+    def save(self, progress: Progress, status: str, examples: dict[int, int]) -> None:
+        """A checkpoint of round `progress.round` is on disk: the commit point a resume goes on from."""
+        self._write(_of(progress) | {"status": status, "examples": {str(c): n for c, n in examples.items()}})
 
     def finish(self, progress: Progress, final: dict[str, Any]) -> None:
-        """The job's end: every round it completed, and its final status, reason and model."""
-        self._write(_of(progress) | {"status": final["status"], "final": final})
+        """The job's end: every round it completed and its final status, reason and model; the round
+        of its last checkpoint stays as it was."""
+        doc = _read(self.path) or {}
+        self._write({**doc, "history": progress.history, "best": progress.best, "status": final["status"],
+                     "final": final})
 
-    def load(self) -> Progress | None:
-        """The rounds as the last checkpoint left them; None if the job never reached one."""
+    def load(self) -> tuple[Progress | None, dict[int, int]]:
+        """The rounds as the last checkpoint left them, and the clients' first example counts then;
+        None if the job never reached a checkpoint, or ended (completed, failed, cancelled)."""
         from fedmq.services.engine.engine import Progress
 
         doc = _read(self.path)
-        if doc is None or doc["round"] < 0:
-            return None
-        self._spec = doc["spec"]
-        return Progress(round=doc["round"], history=doc["history"], best=doc["best"], config=doc["config"])
+        if doc is None or doc["round"] < 0 or doc["status"] != "running":
+            return None, {}
+        committed = int(doc["round"])
+        history = [record for record in doc["history"] if int(record["round"]) <= committed]
+        examples = {int(c): int(n) for c, n in doc.get("examples", {}).items()}
+        return Progress(round=committed, history=history, best=doc["best"], config=doc["config"]), examples
 
     def _write(self, fields: dict[str, Any]) -> None:
-        if not self._spec:
-            doc = _read(self.path)
-            self._spec = doc["spec"] if doc else "{}"
-        doc = {"job_id": self.job_id, "spec": self._spec, **fields}
+        doc = {**fields, "job_id": self.job_id, "spec": self.spec}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         statefiles.atomic_write(self.path, json.dumps(doc).encode(), self.sync)
 
@@ -84,10 +88,10 @@ def stored_jobs(state_dir: Path) -> list[StoredJob]:
     found = []
     for path in sorted(root.glob(f"*/{FILE}"), key=lambda p: p.stat().st_mtime):
         doc = _read(path)
-        if doc is None or doc.get("spec") in (None, "{}"):
+        if doc is None or not doc.get("spec"):
             continue
         found.append(StoredJob(job_id=doc["job_id"], spec=JobSpec.model_validate_json(doc["spec"]),
-                               status=doc["status"], round=max(int(doc["round"]), 0),
+                               status=doc["status"], round=int(doc["round"]),
                                history=list(doc.get("history", [])), best=doc.get("best"),
                                written_at=path.stat().st_mtime))
     return found

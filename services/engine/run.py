@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,8 +89,3 @@ def _run(
         **summarize(history, None if spec.objective is None else spec.objective.model_dump()),
         "history": history,
     }
-
-
-def engine_root(state_dir: Path) -> Path:
-    """Where the engine keeps its jobs (each in the aggregator's layout, with its journal)."""
-    return Path(state_dir) / "engine"

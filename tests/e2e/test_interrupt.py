@@ -112,7 +112,7 @@ def test_ctrl_c_on_the_engine_checkpoints_the_round_in_progress_and_the_resumed_
              "FEDMQ_TEST_TRAIN_GATE_AFTER": str(2 * spec.clients.sampled)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert run.stderr is not None
-    before = read_until(run.stderr, ("round_closed", 2))  # round 3's trainings wait at the gate
+    before = read_until(run.stderr, ("round_started", 3))  # its trainings wait at the gate
     run.send_signal(signal.SIGINT)
     gate.touch()  # round 3 trains on, and is checkpointed
     _, after = run.communicate(timeout=120)

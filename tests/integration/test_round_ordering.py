@@ -19,7 +19,7 @@ from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
-from fedmq.common.messages import ClientUpdate, ModelGet, RoundOpen, from_wire
+from fedmq.common.messages import ClientUpdate, GroupUpdate, ModelGet, RoundOpen, from_wire
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
 from tests.conftest import EmbeddedRuns, assert_bit_identical, small_job
@@ -54,7 +54,7 @@ class HeldOpens:
         if queue != topology.AGGREGATOR or self.released.is_set():
             return
         msg = from_wire(body)
-        if isinstance(msg, ClientUpdate) and msg.round == self.round:
+        if isinstance(msg, ClientUpdate | GroupUpdate) and msg.round == self.round:  # alone, or fused
             with self._lock:
                 held, self.held = self.held, []
                 self.released.set()
