@@ -157,3 +157,22 @@ def test_the_best_round_is_kept_whatever_the_checkpoints(tmp_path: Path) -> None
     assert sum(p.numel() for p in best.parameters()) > 0
     with pytest.raises(LookupError, match="FEDMQ_CHECKPOINT_EVERY"):
         result.weights(1 if result.best["round"] != 1 else 2)
+
+
+def test_an_update_the_checks_refuse_leaves_its_client_silent_in_the_engine_as_on_the_services(
+    tmp_path: Path,
+) -> None:
+    """On the services a refused update is dead-lettered unannounced: its client misses the round's
+    deadline. The engine closes the round as the deadline would, with the same clients and failures."""
+    spec = small_job(rounds=2, clients__max_update_norm=1.0, clients__on_large_update="reject",
+                     clients__min_fit=1, round_timeout_s=3)
+    services = on_services(spec, Settings(state_dir=tmp_path / "s", torch_threads=THREADS),
+                           idle_timeout=60)
+    engine = run_job(spec, Settings(state_dir=tmp_path / "e", torch_threads=THREADS))
+    assert engine["status"] == services["status"] == "completed", (
+        engine.get("reason"), services.get("reason"))
+    rows = [(h["clients"], h["failed"]) for h in engine["history"]]
+    assert rows == [(h["clients"], h["failed"]) for h in services["history"]]
+    assert any(0 < clients < 5 for clients, _ in rows[1:]), f"some updates must be refused: {rows}"
+    assert engine["updates_rejected"] == {"update_norm": 5 * 2 - sum(c for c, _ in rows)}
+    assert digests(engine) == digests(services)
