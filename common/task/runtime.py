@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fedmq.common.errors import ConfigError
-from fedmq.common.finite import all_finite
+from fedmq.common.finite import all_finite, all_finite_many
 from fedmq.common.seeding import derive_seed
 from fedmq.common.strategy.checks import check_tensor_map
 from fedmq.common.task.contract import (
@@ -218,7 +218,7 @@ def _shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 def _non_finite(state: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of a model's floating-point tensors holding NaN or infinity (one host sync)."""
     floats = [(k, v) for k, v in state.items() if v.is_floating_point() and v.numel()]
-    if not floats:
+    if not floats or all_finite_many([v for _, v in floats]):
         return []
     finite = torch.stack([all_finite(v) for _, v in floats]).cpu().tolist()
     return [name for (name, _), ok in zip(floats, finite, strict=True) if not ok]

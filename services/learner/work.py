@@ -77,6 +77,7 @@ class JobContext:
     # On an accelerator: the global model last loaded (by digest), a copy in the device's memory
     # (Work keeps one for the job it worked on last only).
     on_device: tuple[str, dict[str, torch.Tensor]] | None = None
+    checked: str | None = None  # the digest of the global model last found to match this model
 
     def load(
         self, weights: Mapping[str, torch.Tensor], server_round: int, client: int, digest: str | None = None
@@ -96,7 +97,10 @@ class JobContext:
             self.model.load_state_dict(self.on_device[1])
             return
         self.on_device = None  # the last round's copy goes before this one is made
-        load_global(self.model, weights, server_round, client)
+        # A round's clients load the same global model into the same model: its names, shapes and
+        # dtypes are compared once per digest (training cannot change them: the runtime refuses it).
+        load_global(self.model, weights, server_round, client, check=digest is None or digest != self.checked)
+        self.checked = digest
         state = self.model.state_dict()
         if digest is None or all(t.device.type == "cpu" for t in state.values()):
             return
@@ -147,15 +151,15 @@ class ClientDataCache:
 
 
 def load_global(
-    model: nn.Module, weights: Mapping[str, torch.Tensor], server_round: int, client: int
+    model: nn.Module, weights: Mapping[str, torch.Tensor], server_round: int, client: int, check: bool = True
 ) -> None:
     """The global weights into this learner's model; a model that differs is the Task's build_model's fault.
 
     The aggregator built the global model with the same Task: tensors that do not match mean
     `build_model` gave another architecture here (it read local files, the device, a global).
     """
-    mine = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-    theirs = {k: _meta(weights, k) for k in weights}
+    mine = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()} if check else {}
+    theirs = {k: _meta(weights, k) for k in weights} if check else {}
     if mine != theirs:
         diffs = [
             f"{name}: {_shape(mine.get(name))} here, {_shape(theirs.get(name))} in the global model"

@@ -47,3 +47,14 @@ def test_complex_tensors_are_checked_as_isfinite_checks_them() -> None:
     assert bool(all_finite(torch.tensor([1 + 1j, 2 + 0j])))
     assert not bool(all_finite(torch.tensor([1 + 1j, complex("nan+1j")])))
     assert not bool(all_finite(torch.tensor([complex("1+infj")])))
+
+
+def test_many_tensors_are_finite_unless_one_value_is_not_even_when_their_sum_overflows() -> None:
+    from fedmq.common.finite import all_finite_many
+
+    ok = [torch.ones(3), torch.zeros(2, 2), torch.empty(0)]
+    assert all_finite_many(ok) and all_finite_many([])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert not all_finite_many([*ok, torch.tensor([1.0, bad])])
+    huge = torch.full((4,), torch.finfo(torch.float64).max, dtype=torch.float64)  # sums to inf, all finite
+    assert all_finite_many([huge])
