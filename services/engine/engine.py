@@ -294,10 +294,11 @@ class Engine:
                 outcomes = self.work.train_group(tasks)
             except Exception as exc:  # the group's own work failed (its model, say): each task says so
                 outcomes = [exc] * len(tasks)
-            if len(self.work.fused_groups) == groups and "unfused" not in self._said:
-                why = self.work.unfused_reason(tasks[0])
-                self._notice_once("unfused", f"note: this job's clients train one at a time: {why}")
+            if len(self.work.fused_groups) == groups:
+                self._say_unfused(tasks[0])
         else:
+            if tasks and self.spec.train.fuse is not False:
+                self._say_unfused(tasks[0])
             outcomes = [self._train_one(task) for task in tasks]
         for task, outcome in zip(tasks, outcomes, strict=True):
             if isinstance(outcome, Exception):
@@ -317,6 +318,16 @@ class Engine:
         if updates and "bytes_down" not in sync:  # one learner: the round's model once, by reference
             model = sum(t.numel() * t.element_size() for t in self.job.weights.values())
             _add(sync, "bytes_down", float(model))
+
+    def _say_unfused(self, task: TrainTask) -> None:
+        """Once a job: its clients train one at a time, though it did not ask for that, and why."""
+        if "unfused" in self._said:
+            return
+        try:
+            why = self.work.unfused_reason(task)
+        except Exception:  # the job cannot load: its tasks fail and say why
+            return
+        self._notice_once("unfused", f"note: this job's clients train one at a time: {why}")
 
     def _train_one(self, task: TrainTask) -> ClientUpdate | Exception:
         try:

@@ -296,10 +296,12 @@ class Work:
         return job.spec.train.fuse is not False and not has_train(job.runtime.task)
 
     def unfused_reason(self, task: TrainTask) -> str:
-        """Why a fusable task's clients trained one at a time (said once by `fedmq run`)."""
+        """Why a task's clients train one at a time though its job may fuse (said once by `fedmq run`)."""
         job = self._job(task.job_id, task.spec)
         if has_train(job.runtime.task):
             return "its Task trains with its own train()"
+        if task.config.get(CLIENT_STATE):
+            return "its strategy or compression keeps state per client (SCAFFOLD, topk's residuals)"
         ctx = self._context(job, task, job.model.state_dict(), {})
         return can_fuse(job.model, ctx) or (
             "its data or loss cannot be batched across clients (a DataLoader, random draws in the loss, "

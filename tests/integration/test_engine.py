@@ -176,3 +176,19 @@ def test_an_update_the_checks_refuse_leaves_its_client_silent_in_the_engine_as_o
     assert any(0 < clients < 5 for clients, _ in rows[1:]), f"some updates must be refused: {rows}"
     assert engine["updates_rejected"] == {"update_norm": 5 * 2 - sum(c for c, _ in rows)}
     assert digests(engine) == digests(services)
+
+
+@pytest.mark.parametrize(("changes", "said"), [
+    ({}, []),
+    ({"train__fuse": False}, []),
+    ({"task__name": "tests.integration.train_plugins:Slow"}, ["its Task trains with its own train()"]),
+    ({"strategy": {"name": "scaffold"}}, ["keeps state per client"]),
+], ids=["fused", "asked-unfused", "own-train", "client-state"])
+def test_a_job_whose_clients_cannot_train_together_is_told_why_once(
+    tmp_path: Path, changes: dict[str, Any], said: list[str]
+) -> None:
+    notes: list[str] = []
+    result = run_job(small_job(rounds=3, **changes), Settings(state_dir=tmp_path), on_notice=notes.append)
+    assert result["status"] == "completed"
+    assert len(notes) == len(said) and all(s in n for s, n in zip(said, notes, strict=True)), notes
+    assert bool(result["fused_groups"]) == (not changes)
