@@ -11,7 +11,9 @@ torch thread. Each side runs in a process of its own (its peak RSS is its own):
               ../shared/reference/clients_together, when that folder is there (--reference DIR)
 
 A round's time is the gap between two rounds' ends (evaluation included); steady: the median of
-rounds 2..R. One epoch of a ~14-example client is one SGD step: "one step" below.
+rounds 2..R. One epoch of a ~14-example client is one SGD step: "one step" below. Each side runs
+--repeat times (default 2), interleaved with the others, and its fastest steady round counts:
+this shared 2-core machine moved one run's figures by up to 40 %.
 
 Usage: python benchmarks/engine.py [--cases NAME,...] [--reference DIR]
 Prints one JSON object, then one target line per goal (targets.py).
@@ -173,6 +175,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE)
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="runs of each side, interleaved; each side's fastest steady round counts")
     parser.add_argument("--child", nargs="+")
     args = parser.parse_args()
     if args.child:
@@ -185,9 +189,14 @@ def main() -> None:
     out: dict[str, Any] = {"when": time.strftime("%Y-%m-%d %H:%M"), "cores": os.cpu_count(), "cases": {}}
     lines = []
     for case in cases:
-        row: dict[str, Any] = {"loop": run_child("loop", case), "fused": run_child("engine", case)}
+        sides: dict[str, tuple[str, ...]] = {"loop": ("loop", case), "fused": ("engine", case)}
         if case in GOALS and "unfused" in GOALS[case]:
-            row["unfused"] = run_child("engine", case, "unfused")
+            sides["unfused"] = ("engine", case, "unfused")
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+        for _ in range(max(1, args.repeat)):  # interleaved: a burst of load on the machine hits each side
+            for name, child in sides.items():
+                runs[name].append(run_child(*child))
+        row: dict[str, Any] = {name: min(reports, key=steady) for name, reports in runs.items()}
         for script in ("fedavg_local.py", "fedavg_vmap.py") if case != "long_300" else ():
             if (found := run_reference(args.reference, script, case)) is not None:
                 row[script] = found
