@@ -249,3 +249,43 @@ def test_clients_without_examples_train_nothing_and_say_so() -> None:
     assert out is not None and [o.result.num_examples for o in out] == [0, 0]
     start = dict(model.named_parameters())
     assert all(torch.equal(o.weights[n], start[n].detach()) for o in out for n in o.weights)
+
+
+class Regressor(Task):
+    """A small regressor trained with Adam: the case where a lone client's batched products took
+    another kernel than a group's, before a client alone stepped as a group of two."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def load_data(self, ctx: Any) -> ClientData:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+
+
+def test_a_regressor_alone_trains_to_the_bits_it_gets_in_a_group() -> None:
+    task = Regressor()
+    torch.manual_seed(0)
+    model = task.build_model()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(n, 10, generator=g), torch.randn(n, 1, generator=g)) for n in (71, 71, 70)]
+    settings = TrainSettings(epochs=2, batch_size=16, optimizer="adam", lr=0.003, weight_decay=0.05)
+    together = train_fused(task, model, data, contexts(model, 3, settings))
+    assert together is not None
+    for i in range(3):
+        alone = train_fused(task, model, [data[i]], [contexts(model, 3, settings)[i]])
+        assert alone is not None
+        assert all(torch.equal(alone[0].weights[n], together[i].weights[n]) for n in alone[0].weights), i
+
+
+def test_a_client_whose_weights_went_non_finite_is_the_only_one_not_known_finite() -> None:
+    task = Mlp()
+    model = model_for(task)
+    data = clients([8, 8, 8])
+    data[1] = (torch.full_like(data[1][0], float("nan")), data[1][1])
+    fused = train_fused(task, model, data, contexts(model, 3, SETTINGS["sgd"]))
+    assert fused is not None
+    assert [f.finite for f in fused] == [True, False, True]
