@@ -13,6 +13,7 @@ from fedmq.common.errors import DecodeError
 from fedmq.common.messages import JobEvent, expect, from_wire
 
 TERMINAL = {"completed", "failed", "cancelled"}
+READY_S = 30.0  # how long `start` waits for the bus's subscription to be live (then goes on as before)
 
 
 class JobFollower:
@@ -25,9 +26,12 @@ class JobFollower:
         self._thread = threading.Thread(target=bus.run, name="follow", daemon=True)
 
     def start(self) -> JobFollower:
-        """Subscribe and run the bus on a thread of our own."""
+        """Subscribe and run the bus on a thread of our own, live before this returns: a publish
+        made meanwhile from this thread found the loop not yet running and used the connection
+        while the bus thread opened it (pika: 'NoneType' object has no attribute 'clear')."""
         self.attach()
         self._thread.start()
+        self.bus.wait_ready(READY_S)
         return self
 
     def attach(self) -> JobFollower:
