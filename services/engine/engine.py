@@ -136,7 +136,7 @@ class Engine:
         self._job: AggJob | None = None
         self._state: dict[str, torch.Tensor] = {}  # the strategy's state after the last round
         self._best_weights: dict[str, torch.Tensor] | None = None  # kept until a checkpoint writes them
-        self._said: set[str] = set()
+        self._told_unfused = False
         self._checkpointed = -1  # the round of the last checkpoint written
         self._current = 0  # the round in progress, or the last one completed
 
@@ -321,13 +321,14 @@ class Engine:
 
     def _say_unfused(self, task: TrainTask) -> None:
         """Once a job: its clients train one at a time, though it did not ask for that, and why."""
-        if "unfused" in self._said:
+        if self._told_unfused:
             return
         try:
             why = self.work.unfused_reason(task)
         except Exception:  # the job cannot load: its tasks fail and say why
             return
-        self._notice_once("unfused", f"note: this job's clients train one at a time: {why}")
+        self._told_unfused = True
+        self.on_notice(f"note: this job's clients train one at a time: {why}")
 
     def _train_one(self, task: TrainTask) -> ClientUpdate | Exception:
         try:
@@ -508,11 +509,6 @@ class Engine:
     def _event(self, kind: EventKind, round: int | None = None, rounds: int | None = None,
                data: dict[str, Any] | None = None) -> None:
         self.on_event(JobEvent(job_id=self.job_id, kind=kind, round=round, rounds=rounds, data=data or {}))
-
-    def _notice_once(self, key: str, text: str) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            self.on_notice(text)
 
 
 def _add(sync: dict[str, float], key: str, value: float) -> None:
