@@ -1,10 +1,13 @@
 """Training a round's clients together: one batched step for every client with a next batch.
 
-    rows[name]   (G, *shape)       one row per client, each starting from the round's global weights
+    rows[name]   (G, *shape)       one row per client, each starting from the round's global weights;
+                                   buffers too (BatchNorm's running statistics), updated in place
+                                   by the forward, each client its own row (batchnorm.py)
     step t       every client with a t-th batch (its own order, drawn exactly as the sequential
                  loop draws it) takes its step in one call:
-                   loss averages its examples   batches padded to the step's largest, per-example
-                                                losses (a vmap one level down) masked to the real ones
+                   loss averages its examples   batches padded (`_length`: on a CPU the next power
+                   (and no buffers)             of two, on a GPU the batch size), per-example losses
+                                                (a vmap one level down) masked to the real ones
                    otherwise                    clients grouped by exact batch size, the loss as written
                  vmap(grad(loss))(rows[group], batches[group]); which of the two is decided on the
                  first batch, by comparing the loss of a batch with the mean of its examples' losses
@@ -20,15 +23,15 @@
 Fused and sequential training agree within float tolerance, not bit for bit: batched matrix
 products, masked means and the optimizer's updates reduce in another order (tests/unit/test_fused.py
 bounds the difference at 1e-5). A client's fused arithmetic does not depend on which clients share
-its group: every padded batch has the job's batch size, every other batch its own shape, and a
-batched product computes each client's slice alone. So on CPU a fused run is bit-identical however
-its clients are grouped (alone, or with others on other learners; the tests check it). On a GPU
-the batched kernels cuBLAS picks may depend on the group's size: the last bits may differ there.
+its group: a padded batch's length follows from its own size, every other batch has its own shape,
+and a batched product computes each client's slice alone (BatchNorm's kernel did not: batchnorm.py).
+So on CPU a fused run is bit-identical however its clients are grouped (alone, or with others on
+other learners; the tests check it). On a GPU the batched kernels cuBLAS picks may depend on the
+group's size: the last bits may differ there.
 
 `train_fused` answers None when it cannot fuse, and the caller trains one client at a time as
-before: data that is not indexable (a DataLoader), a model with buffers (BatchNorm statistics),
-a loss that draws random numbers (dropout), metrics that are not tensors or floats, SCAFFOLD's
-controls, or `max_steps`.
+before: data that is not indexable (a DataLoader), a loss that draws random numbers (dropout),
+metrics that are not tensors or floats, SCAFFOLD's controls, or `max_steps`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from fedmq.common.finite import finite_by_row
 from fedmq.common.strategy.contract import PROXIMAL_MU, SCAFFOLD
 from fedmq.common.task.bank import Bank
 from fedmq.common.task.batches import Source, batch_size_of, source, to_device
+from fedmq.common.task.batchnorm import rows_batch_norm
 from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
 from fedmq.common.task.dpsgd import draw_noise, epsilon_spent, noise_generator, private_gradient, refuse_model
 from fedmq.common.task.functional import LossCall, loss_with_aux, unsqueeze
@@ -78,8 +82,6 @@ def can_fuse(model: nn.Module, ctx: TrainContext) -> str | None:
         return f"optimizer {ctx.train.optimizer!r} is not fused"
     if any(not p.requires_grad for p in model.parameters()):
         return "the model has frozen parameters, which only the sequential loop leaves alone"
-    if any(True for _ in model.buffers()):
-        return "the model has buffers (BatchNorm statistics), kept per client only sequentially"
     return None
 
 
@@ -116,7 +118,8 @@ def train_fused(
     streams = [ctx.generator.get_state() for ctx in ctxs]  # a fallback draws the same batches again
     mode = model.training
     try:
-        return _Trainer(task, model, sources, ctxs, device).run()
+        with rows_batch_norm(model):
+            return _Trainer(task, model, sources, ctxs, device).run()
     except _CannotFuse:
         for ctx, state in zip(ctxs, streams, strict=True):
             ctx.generator.set_state(state)
@@ -167,6 +170,11 @@ class _Trainer:
         self.names = [name for name, _ in model.named_parameters()]
         start = {name: p.detach().to(device) for name, p in model.named_parameters()}
         self.rows = {name: w.unsqueeze(0).repeat(self.count, *([1] * w.dim())) for name, w in start.items()}
+        # Buffers (BatchNorm's running statistics, its batch count) stacked like the parameters: the
+        # forward under vmap updates each client's own row in place, as the sequential loop updates
+        # the model's. No gradient; the optimizer leaves them alone.
+        self.buffers = {name: b.detach().to(device).unsqueeze(0).repeat(self.count, *([1] * b.dim()))
+                        for name, b in model.named_buffers()}
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         mu = float(ctxs[0].config.get(PROXIMAL_MU, 0.0))
         self.mu = mu
@@ -187,7 +195,9 @@ class _Trainer:
         self.losses = torch.func.vmap(self._loss, in_dims=(0, 0), randomness="error")
         self.masked_losses = torch.func.vmap(self._masked_loss, in_dims=(0, 0, 0), randomness="error")
         self.per_example = torch.func.vmap(self._one_example, in_dims=(None, 0), randomness="error")
-        self.masked: bool | None = None  # decided on the first batch: does the loss average its examples?
+        # Decided on the first batch: does the loss average its examples? Never with buffers: a
+        # batch's statistics would take in its padding, and its examples one at a time have none.
+        self.masked: bool | None = False if self.buffers else None
         self.sizes = [src.size or 0 for src in sources]
         self.steps = [0] * self.count
         self.dp = self.settings.dp_sgd
@@ -261,7 +271,8 @@ class _Trainer:
     def _finite(self) -> list[bool]:
         """Whether each client's weights are all finite: one check of the stacked rows, not one per
         client and tensor (a diverged client is then named by the runtime's own check)."""
-        rows = [r.reshape(self.count, -1) for r in self.rows.values() if r.is_floating_point() and r.numel()]
+        rows = [r.reshape(self.count, -1) for r in (*self.rows.values(), *self.buffers.values())
+                if r.is_floating_point() and r.numel()]
         if not rows:
             return [True] * self.count
         # A finite sum of a client's row says its values are (NaN and ±inf carry into it); a sum that
@@ -315,12 +326,22 @@ class _Trainer:
         batches of one exact shape."""
         groups: dict[Any, list[_Item]] = {}
         for item in pending:
-            if self.bank is not None:
-                key: Any = 0 if self.masked else len(item[1])
-            else:
-                key = _signature(item[1], per_example=bool(self.masked))
+            size = len(item[1]) if self.bank is not None else batch_size_of(item[1])
+            key: Any = self._length(size) if self.masked else size
+            if self.bank is None:
+                key = (key, _signature(item[1], per_example=bool(self.masked)))
             groups.setdefault(key, []).append(item)
         return [sorted(group, key=lambda item: item[0]) for group in groups.values()]
+
+    def _length(self, size: int) -> int:
+        """The length a batch of `size` examples is padded to, from its own size alone, so that a
+        client's arithmetic never depends on its company: on a GPU the job's batch size (one group a
+        step, whatever the sizes); on a CPU the next power of two up to it, which halves the work of
+        small clients' padded steps (14 examples: 16 rows, not 32) for a few groups more a step."""
+        batch = self.settings.batch_size
+        if self.device.type == "cuda" or size >= batch:
+            return max(batch, size)
+        return min(batch, 1 << max(0, size - 1).bit_length())
 
     def _prepare(self, groups: list[list[_Item]]) -> list[_Prepared]:
         """What each group's step needs on the device, sent in one copy per dtype: with a bank, the
@@ -336,7 +357,7 @@ class _Trainer:
             clients = [i for i, _, _ in group]
             sizes = [batch_size_of(item) if self.bank is None else len(item) for _, item, _ in group]
             fresh = [i for i, _, new_epoch in group if new_epoch]  # the result reports the last epoch only
-            length = max(self.settings.batch_size, *sizes) if self.masked else sizes[0]
+            length = self._length(sizes[0]) if self.masked else sizes[0]
             longs += [torch.tensor(clients, dtype=torch.int64), torch.tensor(fresh, dtype=torch.int64)]
             doubles.append(torch.tensor(sizes, dtype=torch.float64))
             if self.bank is not None:
@@ -376,23 +397,27 @@ class _Trainer:
 
     def _step(self, group: list[_Item], step: int, prepared: _Prepared) -> None:
         """One optimizer step for `group`. Padded (a loss that averages its examples): each batch is
-        padded to the job's batch size with copies of its first example, masked out of the loss.
-        Always that size, whichever clients share the step: a client's arithmetic is then the same
-        in any group (on CPU)."""
+        padded to `_length` of its size with copies of its first example, masked out of the loss.
+        That length whichever clients share the step: a client's arithmetic is then the same in any
+        group (on CPU)."""
         index = prepared.index
         whole = len(group) == self.count
         params = {n: (r if whole else r.index_select(0, index)) for n, r in self.rows.items()}
         leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+        buffers = {n: (b if whole else b.index_select(0, index)) for n, b in self.buffers.items()}
         batches, mask = self._batches(group, prepared)
         try:
             if self.dp is not None:
                 grads, aux = self._private(params, group, batches, mask)
             elif len(group) == 1:
-                grads, aux = self._gradients_alone(leaves, batches, mask)
+                grads, aux = self._gradients_alone(leaves, batches, mask, buffers)
             else:
-                grads, aux = self._gradients(leaves, batches, mask)
+                grads, aux = self._gradients(leaves, batches, mask, buffers)
         except (RuntimeError, ValueError, IndexError, TypeError) as err:  # random numbers, no vmap rule
             raise _CannotFuse(str(err)) from err
+        if not whole:  # the forward updated the group's copies of its buffers
+            for n, b in buffers.items():
+                self.buffers[n].index_copy_(0, index, b)
         new = self._update(params, grads, index, whole, step)
         for n in self.names:
             if whole:
@@ -412,27 +437,33 @@ class _Trainer:
             self.steps[i] += 1
 
     def _gradients(
-        self, leaves: dict[str, torch.Tensor], batches: Any, mask: torch.Tensor | None
+        self, leaves: dict[str, torch.Tensor], batches: Any, mask: torch.Tensor | None,
+        buffers: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Each client's gradient of its batch's loss, by autograd through the vmapped forward."""
+        """Each client's gradient of its batch's loss, by autograd through the vmapped forward (which
+        updates `buffers`, the group's rows of them, in place)."""
         with torch.enable_grad():
-            if mask is not None:
+            if mask is not None:  # never with buffers (`masked`)
                 losses, aux = self.masked_losses(leaves, batches, mask)
             else:
-                losses, aux = self.losses(leaves, batches)
+                losses, aux = self.losses(leaves | buffers, batches)
             found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
         grads = {n: torch.zeros_like(leaves[n]) if g is None else g  # unused by the loss: no gradient
                  for n, g in zip(leaves, found, strict=True)}
         return grads, aux
 
     def _gradients_alone(
-        self, leaves: dict[str, torch.Tensor], batches: Any, mask: torch.Tensor | None
+        self, leaves: dict[str, torch.Tensor], batches: Any, mask: torch.Tensor | None,
+        buffers: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """One client's step, computed as a group of two (itself twice), row 0 kept: a batched
         product over one matrix takes another kernel than over several (measured: the last bits of
         a small regressor's weights moved), and a client's bits must not depend on its company."""
         twice = {n: _twice(leaf).detach().requires_grad_(True) for n, leaf in leaves.items()}
-        grads, aux = self._gradients(twice, _twice(batches), None if mask is None else _twice(mask))
+        doubled = {n: _twice(b) for n, b in buffers.items()}
+        grads, aux = self._gradients(twice, _twice(batches), None if mask is None else _twice(mask), doubled)
+        for n, b in buffers.items():
+            b.copy_(doubled[n][:1])
         return {n: g[:1] for n, g in grads.items()}, {n: a[:1] for n, a in aux.items()}
 
     def _private(
@@ -534,6 +565,7 @@ class _Trainer:
         # Views of the group's rows, which nothing changes once the group has trained (a copy each
         # took 0.2 ms of a 10-client round): they share its storage until the round lets them go.
         weights = {n: self.rows[n][i].detach() for n in self.names}
+        weights |= {n: b[i] for n, b in self.buffers.items()}
         seen = self.seen[i]
         metrics = {name: total / seen for name, total in totals.items()} if seen else {}
         if self.dp is not None:

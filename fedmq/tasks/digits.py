@@ -6,6 +6,7 @@ Written only against the public `fedmq` contract, as a user's Task would be:
       name: digits
       options:
         model: {name: mlp, hidden: [128]}        # or {name: cnn, channels: [16, 32]}
+                                                 # batch_norm: true adds BatchNorm after each layer
         test_fraction: 0.2                       # held out for the server's evaluation
         partition: {kind: dirichlet, alpha: 0.5} # iid | dirichlet | shards
 
@@ -38,11 +39,13 @@ class _Options(BaseModel):
 class Mlp(_Options):
     name: Literal["mlp"] = "mlp"
     hidden: list[Annotated[int, Field(gt=0)]] = [128]
+    batch_norm: bool = False
 
 
 class Cnn(_Options):
     name: Literal["cnn"] = "cnn"
     channels: list[Annotated[int, Field(gt=0)]] = [16, 32]
+    batch_norm: bool = False
 
 
 class DigitsOptions(_Options):
@@ -62,8 +65,8 @@ class Digits(fedmq.Task):
     def build_model(self) -> nn.Module:
         spec = self.options.model
         if isinstance(spec, Cnn):
-            return cnn(INPUT_SHAPE, NUM_CLASSES, spec.channels)
-        return mlp(INPUT_SHAPE, NUM_CLASSES, spec.hidden)
+            return cnn(INPUT_SHAPE, NUM_CLASSES, spec.channels, spec.batch_norm)
+        return mlp(INPUT_SHAPE, NUM_CLASSES, spec.hidden, spec.batch_norm)
 
     def load_data(self, ctx: fedmq.DataContext) -> fedmq.ClientData:
         x, y, test = _standardised(self.options.test_fraction, ctx.seed)
@@ -92,23 +95,31 @@ class Digits(fedmq.Task):
         return nn.functional.cross_entropy(logits, y), {"accuracy": accuracy}
 
 
-def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: list[int]) -> nn.Sequential:
-    """Flatten, then Linear+ReLU per hidden width, then a Linear to the class logits."""
+def mlp(
+    input_shape: tuple[int, ...], num_classes: int, hidden: list[int], batch_norm: bool = False
+) -> nn.Sequential:
+    """Flatten, then Linear(+BatchNorm, without the bias it cancels)+ReLU per hidden width, then a
+    Linear to the class logits."""
     layers: list[nn.Module] = [nn.Flatten()]
     width = math.prod(input_shape)
     for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
+        layers.append(nn.Linear(width, h, bias=not batch_norm))
+        layers += [nn.BatchNorm1d(h), nn.ReLU()] if batch_norm else [nn.ReLU()]
         width = h
     layers.append(nn.Linear(width, num_classes))
     return nn.Sequential(*layers)
 
 
-def cnn(input_shape: tuple[int, ...], num_classes: int, channels: list[int]) -> nn.Sequential:
-    """Conv3x3+ReLU(+MaxPool2 while the image is at least 2x2) per channel count, then Linear."""
+def cnn(
+    input_shape: tuple[int, ...], num_classes: int, channels: list[int], batch_norm: bool = False
+) -> nn.Sequential:
+    """Conv3x3(+BatchNorm, without the bias it cancels)+ReLU(+MaxPool2 while the image is at least
+    2x2) per channel count, then Linear."""
     in_channels, height, width = input_shape
     layers: list[nn.Module] = []
     for out_channels in channels:
-        layers += [nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1), nn.ReLU()]
+        layers.append(nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=not batch_norm))
+        layers += [nn.BatchNorm2d(out_channels), nn.ReLU()] if batch_norm else [nn.ReLU()]
         if height >= 2 and width >= 2:
             layers.append(nn.MaxPool2d(2))
             height, width = height // 2, width // 2

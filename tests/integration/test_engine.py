@@ -37,6 +37,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "federated-evaluation": {"evaluate": {"every": 2, "federated": {"clients": 3}}, "rounds": 4},
     "dp-sgd": {"train__dp_sgd": {"clip_norm": 1.0, "noise_multiplier": 0.5}},
     "updates-clipped": {"clients__max_update_norm": 0.5, "clients__on_large_update": "clip"},
+    "batchnorm-cnn-fused": {  # each client's running statistics stacked; a learner trains each alone
+        "task__options": {"model": {"name": "cnn", "channels": [4, 8], "batch_norm": True},
+                          "partition": {"kind": "iid"}},  # no batch of one, which BatchNorm refuses
+        "clients__total": 8, "clients__per_round": 5},
 }
 
 
@@ -57,6 +61,8 @@ def test_the_engine_ends_every_round_with_the_services_model(
     assert services["status"] == engine["status"] == "completed", (
         services.get("reason"), engine.get("reason"))
     assert digests(engine) == digests(services)
+    if scenario.endswith("-fused"):
+        assert engine["fused_groups"], "the engine trained the round's clients together"
     assert_bit_identical(load_state(engine["model_path"])[0], load_state(services["model_path"])[0])
     assert [h["metrics"].get("federated") for h in engine["history"]] == [
         h["metrics"].get("federated") for h in services["history"]]
