@@ -507,19 +507,23 @@ class _Trainer:
         """One optimizer step for the group's rows, as torch.optim's single-tensor SGD and Adam do it."""
         s = self.settings
         out = {}
+        steps = {}  # SGD: each parameter's step, taken for all of them in one call
         for n in self.names:
             p, g = params[n], grads[n]
             if self.mu > 0 and n in self.anchor:
-                g = g + self.mu * (p - self.anchor[n])
+                g = g.add(p - self.anchor[n], alpha=self.mu)
             if s.weight_decay:
-                g = g + s.weight_decay * p
+                g = g.add(p, alpha=s.weight_decay)
             if s.optimizer == "adam":
                 out[n] = self._adam(n, p, g, index, whole, step)
                 continue
             if s.momentum:
-                buf = self._state(n, "momentum", g, index, whole, first=step == 1)
-                g = buf
-            out[n] = p - s.lr * g
+                g = self._state(n, "momentum", g, index, whole, first=step == 1)
+            steps[n] = g
+        if steps:  # p - lr·g, as the loop's p.add_(g, alpha=-lr)
+            names = list(steps)
+            moved = torch._foreach_add([params[n] for n in names], [steps[n] for n in names], alpha=-s.lr)
+            out.update(zip(names, moved, strict=True))
         return out
 
     def _state(

@@ -100,6 +100,15 @@ class Sgd(_Steps):
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
 
+    def step(self) -> None:
+        if self.momentum or self.weight_decay:
+            super().step()
+            return
+        with torch.no_grad():  # plain SGD: every step in one call (on a CPU, each tensor's add_ as below)
+            params = [p for p in self.params if p.grad is not None]
+            if params:
+                torch._foreach_add_(params, [p.grad for p in params if p.grad is not None], alpha=-self.lr)
+
     def _step(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
         if self.weight_decay != 0:
             grad = grad.add(p, alpha=self.weight_decay)
