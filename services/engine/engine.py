@@ -62,7 +62,7 @@ from fedmq.services.aggregator.validation import check_job_update
 from fedmq.services.engine.clientstate import MemoryClientStore
 from fedmq.services.engine.journal import Journal
 from fedmq.services.learner.device import resolve_device
-from fedmq.services.learner.work import Work
+from fedmq.services.learner.work import Work, client_failure
 from fedmq.services.scheduler.limits import check_submission
 from fedmq.services.scheduler.records import (
     better,
@@ -71,7 +71,7 @@ from fedmq.services.scheduler.records import (
     federated_due,
     round_record,
 )
-from fedmq.services.scheduler.rounds import Decision, RoundState
+from fedmq.services.scheduler.rounds import Decision, RoundState, fails_job
 from fedmq.services.scheduler.sampling import sample_clients
 
 log = structlog.get_logger("fedmq.engine")
@@ -302,7 +302,7 @@ class Engine:
             outcomes = [self._train_one(task) for task in tasks]
         for task, outcome in zip(tasks, outcomes, strict=True):
             if isinstance(outcome, Exception):
-                self._client_failed(state, task.client, server_round, outcome)
+                self._client_failed(state, task, outcome)
                 continue
             try:
                 # finite: the learner's runtime saw every value finite (else the client diverged)
@@ -337,26 +337,14 @@ class Engine:
             return exc
 
     def _client_failed(
-        self, state: RoundState, client: int, server_round: int, exc: Exception, training: bool = True
+        self, state: RoundState, task: TrainTask | EvalTask, exc: Exception, training: bool = True
     ) -> None:
-        """A client's task failed: the job fails (its user code, with clients.on_error: fail_job),
-        or the client is one of the attempt's failures, as the scheduler records a ClientFailure."""
-        if isinstance(exc, UserCodeError):
-            error = exc.info("learner", round=server_round, client=client, learner=NAME)
-            if self.spec.clients.on_error == "fail_job":
-                raise JobStopped(error.line(), error.model_dump())
-            log.warning("user_code_failed", client=client, phase=error.phase, error=error.message[:300])
-            code, reason, phase = "user_code", error.line(), error.phase
-        elif isinstance(exc, FedmqError):
-            log.warning("task_failed", client=client, error=str(exc))
-            code, reason, phase = "invalid", str(exc), "invalid"
-        else:
-            log.error("task_crashed", client=client, error=f"{type(exc).__name__}: {exc}"[:500], exc_info=exc)
-            code, reason, phase = "error", f"{type(exc).__name__}: {exc}", "error"
-        if training:
-            state.record_failure(client, f"{code}: {reason[:500]}", phase)
-        else:  # an evaluation's failure: no phase, as the scheduler records it
-            state.record_failure(client, f"{code}: {reason[:500]}")
+        """A task failed: the ClientFailure a learner would send, handled as the scheduler does (the
+        job fails with its user code's error under clients.on_error: fail_job, else it counts)."""
+        failure = client_failure(task, exc, NAME)
+        if failure.error is not None and fails_job(failure, self.spec.clients.on_error):
+            raise JobStopped(failure.error.line(), failure.error.model_dump())
+        state.record_client_failure(failure, training)
 
     def _close(self, server_round: int, state: RoundState, updates: dict[int, ClientUpdate]) -> RoundClosed:
         """The round's updates folded into the global model by the strategy, and the round settled."""
@@ -436,7 +424,7 @@ class Engine:
                 try:
                     report = self.work.evaluate(task)
                 except Exception as exc:
-                    self._client_failed(state, client, server_round, exc, training=False)
+                    self._client_failed(state, task, exc, training=False)
                     continue
                 if state.record_update(client, report.num_examples):
                     reports[client] = {"num_examples": report.num_examples, "metrics": report.metrics,

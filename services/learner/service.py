@@ -39,7 +39,6 @@ from fedmq.common.errors import BrokerUnavailable, DecodeError, FedmqError, Vali
 from fedmq.common.groups import group_of, groupable
 from fedmq.common.heap import large_buffers_unmapped
 from fedmq.common.messages import (
-    ClientFailure,
     ClientStateGet,
     ClientStateReply,
     ClientUpdate,
@@ -51,7 +50,6 @@ from fedmq.common.messages import (
     ModelGet,
     ModelReply,
     TrainTask,
-    UserError,
     expect,
     from_wire,
     from_wire_file,
@@ -61,11 +59,10 @@ from fedmq.common.messages import (
 from fedmq.common.metrics import Metrics
 from fedmq.common.senders import check_sender
 from fedmq.common.settings import Settings
-from fedmq.common.usercode import UserCodeError
 from fedmq.services.learner.ddp import DdpRunner
 from fedmq.services.learner.device import resolve_device
 from fedmq.services.learner.models import ModelFolder
-from fedmq.services.learner.work import Work
+from fedmq.services.learner.work import Work, client_failure
 
 log = structlog.get_logger("fedmq.learner")
 
@@ -318,17 +315,8 @@ class LearnerService:
             self._settle(delivery)
 
     def _failed(self, task: Task, exc: Exception) -> tuple[str, bytes]:
-        """The ClientFailure a task's error makes: the user's code, a task fedmq refused, a crash."""
-        if isinstance(exc, UserCodeError):
-            log.warning("user_code_failed", phase=exc.phase, error_type=exc.error_type,
-                        error=exc.message[:300])
-            error = exc.info("learner", round=task.round, client=task.client, learner=self.name)
-            return self._failure(task, "user_code", error.line(), error)
-        if isinstance(exc, FedmqError):
-            log.warning("task_failed", error=str(exc))
-            return self._failure(task, "invalid", str(exc))
-        log.error("task_crashed", error=f"{type(exc).__name__}: {exc}"[:500], exc_info=exc)
-        return self._failure(task, "error", f"{type(exc).__name__}: {exc}")
+        """The ClientFailure a task's error makes, for the scheduler."""
+        return topology.SCHEDULER, to_wire(client_failure(task, exc, self.name))
 
     def _send(self, delivery: Delivery, reply: tuple[str, Body]) -> None:
         """Publish a task's reply, then ack the task; a publish not confirmed returns the task."""
@@ -377,15 +365,6 @@ class LearnerService:
         update = to_wire_parts(self.work.train(task))
         update.owned = True
         return topology.AGGREGATOR, update
-
-    def _failure(
-        self, task: Task, code: str, reason: str, error: UserError | None = None
-    ) -> tuple[str, bytes]:
-        failure = ClientFailure(
-            job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
-            code=code, reason=reason[:500], learner=self.name, error=error,
-        )
-        return topology.SCHEDULER, to_wire(failure)
 
     def _fetch(self, job_id: str, digest: str) -> tuple[dict[str, torch.Tensor], int]:
         """A global model from the aggregator by digest (request/reply over the bus), and its size,

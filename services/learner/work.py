@@ -30,7 +30,7 @@ from fedmq.common.codec.updates import check_no_prefix, compress_update, split_r
 from fedmq.common.coderefs import check_code
 from fedmq.common.errors import FedmqError
 from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
-from fedmq.common.messages import ClientUpdate, EvalReport, EvalTask, TrainTask
+from fedmq.common.messages import ClientFailure, ClientUpdate, EvalReport, EvalTask, TrainTask
 from fedmq.common.metrics import Metrics
 from fedmq.common.seeding import secret_seed, torch_generator
 from fedmq.common.settings import Settings
@@ -232,6 +232,24 @@ def compressed(
     extras = update.extras | (with_prefix(new_residual) if new_residual is not None else {})
     return update.model_copy(update={"weights": {}, "delta": encoded.tensors, "compression": encoded.meta,
                                      "extras": extras})
+
+
+def client_failure(task: TrainTask | EvalTask, exc: Exception, learner: str) -> ClientFailure:
+    """The ClientFailure a task's error makes, logged: the user's code raised (with its UserError),
+    fedmq refused the task, or something crashed. A learner sends it; the engine records it as the
+    scheduler would."""
+    if isinstance(exc, UserCodeError):
+        log.warning("user_code_failed", phase=exc.phase, error_type=exc.error_type, error=exc.message[:300])
+        error = exc.info("learner", round=task.round, client=task.client, learner=learner)
+        code, reason = "user_code", error.line()
+    elif isinstance(exc, FedmqError):
+        log.warning("task_failed", error=str(exc))
+        code, reason, error = "invalid", str(exc), None
+    else:
+        log.error("task_crashed", error=f"{type(exc).__name__}: {exc}"[:500], exc_info=exc)
+        code, reason, error = "error", f"{type(exc).__name__}: {exc}", None
+    return ClientFailure(job_id=task.job_id, task_id=task.task_id, round=task.round, client=task.client,
+                         code=code, reason=reason[:500], learner=learner, error=error)
 
 
 def fuse_budget(device: torch.device) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from fedmq.common.messages import ClientFailure
+
 
 class Decision(enum.Enum):
     WAIT = "wait"
@@ -48,6 +50,15 @@ class RoundState:
         self.phases[client] = phase
         return True
 
+    def record_client_failure(self, failure: ClientFailure, training: bool = True) -> bool:
+        """A learner's ClientFailure: its code and reason, and for training the phase it failed in
+        (its user code's, else its code; the scheduler's own placement failure is an error)."""
+        reason = f"{failure.code}: {failure.reason}"
+        if not training:
+            return self.record_failure(failure.client, reason)
+        phase = failure.error.phase if failure.error is not None else failure.code
+        return self.record_failure(failure.client, reason, "error" if phase == "placement" else phase)
+
     def unreported(self) -> list[tuple[int, str, str]]:
         """(client, reason, phase) of each sampled client without an update: failed, or silent."""
         return [
@@ -79,3 +90,8 @@ class RoundState:
         self.failed.clear()
         self.phases.clear()
         return self.missing
+
+
+def fails_job(failure: ClientFailure, on_error: str) -> bool:
+    """Whether a client's failure fails its job: its user code raised, and clients.on_error is fail_job."""
+    return failure.error is not None and on_error == "fail_job"

@@ -61,6 +61,7 @@ from fedmq.services.scheduler.limits import check_submission
 from fedmq.services.scheduler.loop import kept_checkpoints, round_close
 from fedmq.services.scheduler.records import add_sync
 from fedmq.services.scheduler.registry import Registry
+from fedmq.services.scheduler.rounds import fails_job
 from fedmq.services.scheduler.status import status_reply
 from fedmq.services.scheduler.store import JobRows
 
@@ -239,21 +240,19 @@ class SchedulerService(EvaluationLoop, DdpLoop):
                     self._advance(job)
             case EvalReport():
                 self.eval_report(job, msg)
-            case ClientFailure() if msg.error is not None and job.spec.clients.on_error == "fail_job":
+            case ClientFailure() if msg.error is not None and fails_job(msg, job.spec.clients.on_error):
                 log.warning("client_user_code_failed", client=msg.client, phase=msg.error.phase)
                 self.metrics.client_failures.labels(reason_label(msg.code)).inc()
                 self._finish(job, FAILED, msg.error.line(), error=msg.error.model_dump())
             case ClientFailure() if job.evaluation is not None and job.evaluation.round == msg.round:
                 log.warning("client_failed", client=msg.client, code=msg.code, reason=msg.reason)
-                job.evaluation.record_failure(msg.client, f"{msg.code}: {msg.reason}")
+                job.evaluation.record_client_failure(msg, training=False)
                 self._advance_evaluation(job)
             case ClientFailure():
                 if job.state and job.state.round == msg.round:
                     log.warning("client_failed", client=msg.client, code=msg.code, reason=msg.reason)
                     self.metrics.client_failures.labels(reason_label(msg.code)).inc()
-                    phase = msg.error.phase if msg.error is not None else msg.code
-                    phase = "error" if phase == "placement" else phase  # the scheduler's own word
-                    job.state.record_failure(msg.client, f"{msg.code}: {msg.reason}", phase)
+                    job.state.record_client_failure(msg)
                     self._advance(job)
             case DdpExit():
                 self.ddp_exit(job, msg)
