@@ -145,6 +145,10 @@ class TrainSpec(Spec):
         "the default, wherever the Task (loss-level, indexable data) and model allow it; false: one at a "
         "time. Within 1e-5 of one at a time, and bit-identical however grouped on CPU",
     )
+    keep_optimizer_state: bool = Field(
+        False, description="fedmq's loop keeps each client's optimizer state (SGD's momentum, Adam's "
+        "moments and steps) in its client state between its rounds, instead of starting afresh each round",
+    )
     dp_sgd: DpSgdSpec | None = Field(
         None, description="train with DP-SGD (per-example clipping and Gaussian noise), a Task at the loss "
         "level; each client reports train.dp_epsilon, its (ε, δ) spent if it took part in every round",

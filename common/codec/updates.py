@@ -10,7 +10,8 @@
                 learner with the client's state (ClientStateReply), under the same names
 
 The residual rides under RESERVED, a prefix of fedmq's own: a strategy's client state and a
-Task's extras never see it, and may not use it. Tensors in, tensors out: no I/O.
+Task's extras never see it, and may not use it. So does a Task's own per-client state (STATE,
+common/task/state.py), kept the same way. Tensors in, tensors out: no I/O.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 
 RESIDUAL = "fedmq.residual."  # extras and client-state names of topk's error-feedback residual
 RESIDUAL_SCALE = "fedmq.residual_scale."  # ... and of its per-tensor scales (residual int8)
-RESERVED = "fedmq.residual"  # both: names only fedmq may use
+STATE = "fedmq.state."  # ... and of a Task's per-client state (TrainContext.state)
+RESERVED = "fedmq."  # all of them: names only fedmq may use
 
 
 def is_float(tensor: torch.Tensor) -> bool:
@@ -134,13 +136,14 @@ def with_prefix(residual: Residual) -> dict[str, torch.Tensor]:
 
 
 def residual_entries(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The residual's entries of extras or client state, names as they are."""
+    """fedmq's own entries of extras or client state (the residual, a Task's state), names as they
+    are: what the learner keeps per client through the aggregator."""
     return {k: tensors[k] for k in tensors if k.startswith(RESERVED)}
 
 
 def stray_names(tensors: Mapping[str, Any]) -> list[str]:
     """Names in RESERVED that are neither a residual's value nor its scale."""
-    known = (RESIDUAL, RESIDUAL_SCALE)
+    known = (RESIDUAL, RESIDUAL_SCALE, STATE)
     return sorted(k for k in tensors if k.startswith(RESERVED) and not k.startswith(known))
 
 
@@ -149,7 +152,8 @@ def check_no_prefix(names: Mapping[str, Any], what: str) -> None:
     used = sorted(k for k in names if isinstance(k, str) and k.startswith(RESERVED))
     if used:
         raise ValueError(
-            f"{what}: names starting with {RESERVED!r} are fedmq's own (compression): rename {used[:3]}"
+            f"{what}: names starting with {RESERVED!r} are fedmq's own (compression, client state): "
+            f"rename {used[:3]}"
         )
 
 

@@ -94,6 +94,7 @@ class TrainSettings:
     weight_decay: float = 0.0
     options: Mapping[str, Any] = field(default_factory=dict)  # free-form, for a Task's own `train`
     dp_sgd: DpSgd | None = None  # fedmq's loop trains with DP-SGD; a Task's own `train` cannot
+    keep_optimizer_state: bool = False  # fedmq's loop keeps the optimizer's state in ctx.state
 
     @classmethod
     def from_spec(cls, train: TrainSpec) -> TrainSettings:
@@ -104,6 +105,7 @@ class TrainSettings:
             optimizer=train.optimizer, lr=train.lr, momentum=train.momentum,
             weight_decay=train.weight_decay, options=dict(train.options),
             dp_sgd=None if dp is None else DpSgd(dp.clip_norm, dp.noise_multiplier, dp.delta),
+            keep_optimizer_state=train.keep_optimizer_state,
         )
 
 
@@ -132,6 +134,10 @@ class TrainContext:
     # train.dp_sgd: this client's secret seed this round, from the learner's FEDMQ_DP_KEY. DP-SGD's
     # noise and, through `generator`, its batch order come from it: the server cannot recompute them.
     private_seed: int | None = None
+    # This client's own state, kept between its rounds when the Task sets `keeps_state` (or the spec
+    # train.keep_optimizer_state): what its last training left here, {} the first time. Change it in
+    # place; tensors (kept on the CPU between rounds), ints, floats and bools (common/task/state.py).
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -216,6 +222,9 @@ class Task:
     # fedmq then steps each parameter as soon as its gradient is whole (a second gradient in one pass
     # fails the task, saying so) and sends the trained tensors as the update without copying them.
     lean_memory: ClassVar[bool] = False
+    # True: `train` (or `loss`'s caller) keeps per-client state in ctx.state between rounds; fedmq
+    # stores each client's with the aggregator (durable, checkpointed) and hands it back next time.
+    keeps_state: ClassVar[bool] = False
 
     options: Any
 

@@ -27,7 +27,7 @@ from fedmq.common.task.batches import Source, batch_size_of, source, to_device
 from fedmq.common.task.contract import EvalContext, EvalResult, TrainContext, TrainResult
 from fedmq.common.task.dpsgd import PrivateGradients, epsilon_spent
 from fedmq.common.task.functional import split_loss
-from fedmq.common.task.optimizers import make_optimizer
+from fedmq.common.task.optimizers import Adam, Sgd, make_optimizer
 from fedmq.common.task.scaffold import Controls
 
 if TYPE_CHECKING:
@@ -48,6 +48,9 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
     src = on_device(source(data, "training data"), ctx.device)
     model.train()
     optimizer = make_optimizer(model, settings)
+    names = [name for name, _ in model.named_parameters()]  # model.parameters()'s order
+    if settings.keep_optimizer_state:
+        optimizer.load_entries(ctx.state, names)
     mu = float(ctx.config.get(PROXIMAL_MU, 0.0))
     anchors = _anchors(model, ctx.global_weights, ctx.device) if mu > 0 else []
     controls = Controls.for_round(model, ctx)
@@ -76,8 +79,16 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
                 seen += size
                 steps += 1
                 if settings.max_steps is not None and steps >= settings.max_steps:
-                    return _result(seen, sums, controls, _spent(src, ctx, steps))
-    return _result(seen, sums, controls, _spent(src, ctx, steps))
+                    result = _result(seen, sums, controls, _spent(src, ctx, steps))
+                    return _finished(optimizer, names, ctx, result)
+    return _finished(optimizer, names, ctx, _result(seen, sums, controls, _spent(src, ctx, steps)))
+
+
+def _finished(optimizer: Sgd | Adam, names: list[str], ctx: TrainContext, result: TrainResult) -> TrainResult:
+    """`result`, the optimizer's state kept in the client's state first when the spec asks for it."""
+    if ctx.train.keep_optimizer_state:
+        ctx.state.update(optimizer.state_entries(names))
+    return result
 
 
 def _parameter_bytes(model: nn.Module) -> int:

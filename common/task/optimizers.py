@@ -11,7 +11,7 @@ against torch.optim step by step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -33,11 +33,28 @@ def make_optimizer(model: nn.Module, settings: TrainSettings) -> Sgd | Adam:
 
 class _Steps:
     """What both optimizers share: their parameters, a step over each that has a gradient, zeroing
-    their gradients as torch.optim does, and stepping during the backward pass."""
+    their gradients as torch.optim does, stepping during the backward pass, and their state as
+    named entries of a client's state (train.keep_optimizer_state)."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self.params = list(params)
         self._stepped: set[int] = set()  # in_backward: the parameters stepped since zero_grad
+
+    def state_entries(self, names: list[str]) -> dict[str, torch.Tensor | int]:
+        """This optimizer's state, "optimizer.<what>.<parameter name>" (`names`: the parameters')."""
+        return {}
+
+    def load_entries(self, state: Mapping[str, object], names: list[str]) -> None:
+        """The state `state_entries` gave, back into this optimizer (what `state` lacks starts afresh)."""
+
+    def _tensor(self, state: Mapping[str, object], key: str, i: int) -> torch.Tensor | None:
+        value = state.get(key)
+        if value is None:
+            return None
+        p = self.params[i]
+        if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+            raise ValueError(f"the client's stored {key} does not fit its parameter of shape {list(p.shape)}")
+        return value.to(p.device, p.dtype, copy=True)
 
     def step(self) -> None:
         with torch.no_grad():
@@ -100,6 +117,13 @@ class Sgd(_Steps):
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
 
+    def state_entries(self, names: list[str]) -> dict[str, torch.Tensor | int]:
+        pairs = zip(names, self.buffers, strict=True)
+        return {f"optimizer.momentum.{n}": b for n, b in pairs if b is not None}
+
+    def load_entries(self, state: Mapping[str, object], names: list[str]) -> None:
+        self.buffers = [self._tensor(state, f"optimizer.momentum.{n}", i) for i, n in enumerate(names)]
+
     def step(self) -> None:
         if self.momentum or self.weight_decay:
             super().step()
@@ -131,6 +155,22 @@ class Adam(_Steps):
         self.lr, self.weight_decay = lr, weight_decay
         self.moments: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.params)
         self.counts = [0] * len(self.params)
+
+    def state_entries(self, names: list[str]) -> dict[str, torch.Tensor | int]:
+        out: dict[str, torch.Tensor | int] = {}
+        for n, moments, count in zip(names, self.moments, self.counts, strict=True):
+            if moments is not None:
+                out |= {f"optimizer.exp_avg.{n}": moments[0], f"optimizer.exp_avg_sq.{n}": moments[1],
+                        f"optimizer.step.{n}": count}
+        return out
+
+    def load_entries(self, state: Mapping[str, object], names: list[str]) -> None:
+        for i, n in enumerate(names):
+            first = self._tensor(state, f"optimizer.exp_avg.{n}", i)
+            second = self._tensor(state, f"optimizer.exp_avg_sq.{n}", i)
+            count = state.get(f"optimizer.step.{n}")
+            if first is not None and second is not None and isinstance(count, int):
+                self.moments[i], self.counts[i] = (first, second), count
 
     def _step(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
         beta1, beta2 = ADAM_BETAS

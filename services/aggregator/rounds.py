@@ -40,6 +40,7 @@ from fedmq.common.strategy.contract import (
     made,
 )
 from fedmq.common.task.metrics import check_metrics, reduce_metrics
+from fedmq.common.task.state import keeps_state
 from fedmq.common.usercode import user_code
 from fedmq.services.aggregator.evaluation import evaluate_on_server
 from fedmq.services.aggregator.jobs import AggJob, views
@@ -252,10 +253,17 @@ def _client_id(key: object) -> int:
         raise TypeError(f"client_state is keyed by client id (an int), got {key!r}") from None
 
 
+def keeps_learner_state(job: AggJob) -> bool:
+    """Whether updates carry state their client gets back next time: topk's residual (compression),
+    the Task's own state (common/task/state.py)."""
+    return job.spec.compression.keeps_residual or keeps_state(job.spec, job.runtime.task)
+
+
 def write_residuals(job: AggJob, server_round: int, clients: list[int]) -> tuple[list[int], int]:
-    """Keep the topk residual each client's update carried (compression), for its next round, as it
-    came; return the clients and the residuals' tensor bytes (the client state the updates carried)."""
-    if not job.spec.compression.keeps_residual:
+    """Keep fedmq's own entries each client's update carried (topk's residual, the Task's state) for
+    its next round, as they came; return the clients and their tensor bytes (the client state the
+    updates carried)."""
+    if not keeps_learner_state(job):
         return [], 0
     size = 0
     for client in clients:
@@ -283,8 +291,8 @@ def next_config(job: AggJob, server_round: int) -> Config:
         return {}
     with user_code("strategy.configure", round=server_round + 1):
         config = check_config(job.strategy.configure(round_context(job, server_round + 1)))
-    if job.strategy.sends_client_state or job.spec.compression.keeps_residual:
-        config[CLIENT_STATE] = True  # the learner fetches the client's state (and topk residual)
+    if job.strategy.sends_client_state or keeps_learner_state(job):
+        config[CLIENT_STATE] = True  # the learner fetches the client's state (topk residual, Task's state)
     return config
 
 

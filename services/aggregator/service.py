@@ -69,7 +69,7 @@ from fedmq.common.stateretry import StateRetry
 from fedmq.common.usercode import UserCodeError
 from fedmq.services.aggregator.jobs import AggJob, new_job, restore_job, rewind, stored_jobs
 from fedmq.services.aggregator.limits import DiskQuota, OverLimit, check_model, model_bytes, retained
-from fedmq.services.aggregator.rounds import close_round, initial_round
+from fedmq.services.aggregator.rounds import close_round, initial_round, keeps_learner_state
 from fedmq.services.aggregator.serving import ModelServer
 from fedmq.services.aggregator.store import TRASH, JobStore, weights_digest
 from fedmq.services.aggregator.validation import check_job_update
@@ -541,8 +541,7 @@ class AggregatorService:
             if gone := job.store.prune_checkpoints(kept):
                 log.info("checkpoints_pruned", count=len(gone), kept=len(kept))
             job.unpruned = False
-        if (job.round % MEASURE_EVERY == 0 or job.strategy.sends_client_state
-                or job.spec.compression.keeps_residual):
+        if job.round % MEASURE_EVERY == 0 or job.strategy.sends_client_state or keeps_learner_state(job):
             self._disk(job).measure()
 
     def _disk(self, job: AggJob) -> DiskQuota:

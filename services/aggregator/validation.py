@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedmq.common.codec.compress import INT8_LEVELS, CompressionSpec, Residual
-from fedmq.common.codec.updates import decode_update, split_residual, stray_names
+from fedmq.common.codec.updates import STATE, decode_update, split_residual, stray_names
 from fedmq.common.errors import DecodeError, ValidationError
 from fedmq.common.finite import all_finite
 from fedmq.common.messages import ClientUpdate
 from fedmq.common.strategy.checks import check_tensor_map
+from fedmq.common.task.state import check_state_entries, keeps_state
 from fedmq.services.aggregator.kernels.private import delta_norm
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ def check_update(
     compression: CompressionSpec | None = None,
     max_norm: float | None = None,
     finite: bool = False,
+    task_state: bool = False,
 ) -> None:
     """Raise ValidationError(reason) unless the update matches the global model exactly.
 
@@ -45,7 +47,8 @@ def check_update(
     A job with `compression` takes only updates compressed with its codec: decoded against
     `reference` (the round's global weights), they must give full weights that pass the same
     checks; topk's residual rides in the extras (see common/codec/updates.py) in the job's
-    residual dtype, and only when the job has error feedback.
+    residual dtype, and only when the job has error feedback; the client's own state only
+    when `task_state` (the job keeps it).
     """
     if not 0 < update.num_examples <= MAX_EXAMPLES:
         raise ValidationError("bad_example_count", f"{update.num_examples} not in 1..{MAX_EXAMPLES}")
@@ -59,6 +62,7 @@ def check_update(
     weights = _full_weights(update, reference, spec.codec)
     check_weights(weights, reference, finite=finite and weights is update.weights)
     check_residual(residual, reference, spec, stray_names(update.extras))
+    check_state(update.extras, reference, task_state)
     check_extras(extras, reference, expected_extras)
     if max_norm is not None:
         check_norm(weights, reference, max_norm)
@@ -72,7 +76,7 @@ def check_job_update(job: AggJob, msg: ClientUpdate, finite: bool = False) -> No
         msg, job.weights, max_examples=max_examples, expected_extras=job.strategy.expected_extras,
         compression=job.spec.compression,
         max_norm=clients.max_update_norm if clients.on_large_update == "reject" else None,
-        finite=finite,
+        finite=finite, task_state=keeps_state(job.spec, job.runtime.task),
     )
 
 
@@ -103,6 +107,21 @@ def _full_weights(
         return decode_update(update.delta, update.compression, reference)
     except DecodeError as exc:
         raise ValidationError("bad_compression", str(exc)) from None
+
+
+def check_state(
+    extras: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], kept: bool
+) -> None:
+    """A client's state for its next round (common/task/state.py): only in a job that keeps it,
+    well-formed, at most four times the model (Adam's moments are two) and 1 MiB."""
+    entries = {k: v for k, v in extras.items() if k.startswith(STATE)}
+    if entries and not kept:
+        raise ValidationError("bad_state", "client state in an update of a job that keeps none")
+    model = sum(t.numel() * t.element_size() for t in reference.values())
+    try:
+        check_state_entries(entries, 4 * model + (1 << 20))
+    except ValueError as exc:
+        raise ValidationError("bad_state", str(exc)) from None
 
 
 def check_residual(

@@ -51,6 +51,7 @@ from fedmq.services.aggregator.rounds import (
     clip_norm,
     closed_message,
     fold,
+    keeps_learner_state,
     next_config,
     restored,
     save_final,
@@ -374,8 +375,9 @@ class Engine:
     def _keep_residuals(
         self, server_round: int, updates: Mapping[int, ClientUpdate]
     ) -> tuple[list[int], int]:
-        """topk's residual each update carried, kept as its client's state (compression's error feedback)."""
-        if not self.spec.compression.keeps_residual:
+        """fedmq's own entries each update carried (topk's residual, the Task's state), kept as its
+        client's state for its next round."""
+        if not keeps_learner_state(self.job):
             return [], 0
         size = 0
         for client, update in sorted(updates.items()):

@@ -45,6 +45,7 @@ from fedmq.common.task.contract import (
 )
 from fedmq.common.task.fused import can_fuse, group_size
 from fedmq.common.task.runtime import TaskRuntime
+from fedmq.common.task.state import keeps_state, state_entries, state_of
 from fedmq.common.usercode import UserCodeError
 
 log = structlog.get_logger("fedmq.learner")
@@ -304,12 +305,22 @@ class Work:
         data = self._client_data(job, task.job_id, task.client)
         job.load(weights, task.round, task.client, task.model_digest)
         ctx = self._context(job, task, weights, client_state)
+        ctx.state.update(state_of(stored, self.device))  # the Task's own, from its last round
         result = job.runtime.train(job.model, data, ctx)
         state = job.trained_state()
         seconds = time.perf_counter() - fetched
         self.metrics.train_seconds.observe(seconds)
-        return self._update(job, task, weights, state, result, seconds, fetched - started, fetch_bytes,
-                            residual)
+        update = self._update(job, task, weights, state, result, seconds, fetched - started, fetch_bytes,
+                              residual)
+        if not keeps_state(job.spec, job.runtime.task):
+            return update
+        try:  # the client's state for its next round rides with the update (common/task/state.py)
+            check_no_prefix(result.extras, "TrainResult.extras")
+            entries = state_entries(ctx.state)
+        except (TypeError, ValueError) as exc:
+            raise UserCodeError("train" if has_train(job.runtime.task) else "loss", type(exc).__name__,
+                                str(exc), round=task.round, client=task.client) from None
+        return update.model_copy(update={"extras": {**update.extras, **entries}})
 
     def fusable(self, task: TrainTask) -> bool:
         """Whether this task goes to `train_group`: its job does not refuse fusing (train.fuse: false)
@@ -320,13 +331,16 @@ class Work:
         if (isinstance(train, dict) and train.get("fuse") is False) or task.config.get(CLIENT_STATE):
             return False
         job = self._job(task.job_id, task.spec)
-        return job.spec.train.fuse is not False and not has_train(job.runtime.task)
+        return (job.spec.train.fuse is not False and not has_train(job.runtime.task)
+                and not keeps_state(job.spec, job.runtime.task))
 
     def unfused_reason(self, task: TrainTask) -> str:
         """Why a task's clients train one at a time though its job may fuse (said once by `fedmq run`)."""
         job = self._job(task.job_id, task.spec)
         if has_train(job.runtime.task):
             return "its Task trains with its own train()"
+        if keeps_state(job.spec, job.runtime.task):
+            return "its clients keep state between rounds (train.keep_optimizer_state, Task.keeps_state)"
         if task.config.get(CLIENT_STATE):
             return "its strategy or compression keeps state per client (SCAFFOLD, topk's residuals)"
         ctx = self._context(job, task, job.model.state_dict(), {})

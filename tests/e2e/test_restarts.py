@@ -13,6 +13,7 @@ from fedmq.common.checkpoint import load_state
 from fedmq.common.jobspec import load_job
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
+from fedmq.services.engine.run import run_job as run_engine
 from tests.conftest import REPO, assert_bit_identical
 from tests.e2e.cluster import cluster
 
@@ -28,8 +29,17 @@ def digits_with_a_users_strategy(text: str) -> str:
     )
 
 
+def digits_keeping_optimizer_state(text: str) -> str:
+    """examples/digits.yaml with SGD momentum kept in each client's state between its rounds."""
+    return (
+        text.replace("lr: 0.05}", "lr: 0.05, momentum: 0.9, keep_optimizer_state: true}")
+        .replace("per_round: 10, min_fit: 8", "per_round: 5, min_fit: 5")
+    )
+
+
 @pytest.mark.parametrize(
-    "variant", [lambda text: text, digits_with_a_users_strategy], ids=["fedavg", "user-strategy"]
+    "variant", [lambda text: text, digits_with_a_users_strategy, digits_keeping_optimizer_state],
+    ids=["fedavg", "user-strategy", "optimizer-state-kept"],
 )
 def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(
     tmp_path: Path, variant: Callable[[str], str]
@@ -57,5 +67,7 @@ def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(
 
     embedded = run_job(load_job(spec), Settings(state_dir=tmp_path / "embedded"))
     assert_bit_identical(load_state(result["model_path"])[0], load_state(embedded["model_path"])[0])
+    engine = run_engine(load_job(spec), Settings(state_dir=tmp_path / "engine"))
+    assert_bit_identical(load_state(result["model_path"])[0], load_state(engine["model_path"])[0])
     assert [h["metrics"].get("strategy") for h in result["history"]] == [
         h["metrics"].get("strategy") for h in embedded["history"]], "the strategy's state was restored"

@@ -22,6 +22,7 @@ from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job as on_services
 from fedmq.services.engine.engine import Engine
 from fedmq.services.engine.run import run_job
+from fedmq.services.scheduler.sampling import sample_clients
 from tests.conftest import assert_bit_identical, shard_size, small_job
 from tests.integration import train_plugins
 from tests.integration.conftest import Transport
@@ -37,6 +38,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "federated-evaluation": {"evaluate": {"every": 2, "federated": {"clients": 3}}, "rounds": 4},
     "dp-sgd": {"train__dp_sgd": {"clip_norm": 1.0, "noise_multiplier": 0.5}},
     "updates-clipped": {"clients__max_update_norm": 0.5, "clients__on_large_update": "clip"},
+    "optimizer-state-kept": {
+        "train__optimizer": "adam", "train__lr": 0.01, "train__keep_optimizer_state": True,
+        "clients__per_round": 3, "rounds": 4},
     "batchnorm-cnn-fused": {  # each client's running statistics stacked; a learner trains each alone
         "task__options": {"model": {"name": "cnn", "channels": [4, 8], "batch_norm": True},
                           "partition": {"kind": "iid"}},  # no batch of one, which BatchNorm refuses
@@ -118,14 +122,23 @@ class Stopper:
         self.engine = engine
 
 
+RESUMED: dict[str, dict[str, Any]] = {
+    "fedadam": {"strategy": {"name": "fedadam"}},
+    "scaffold": {"strategy": {"name": "scaffold"}},
+    "optimizer-state-kept": {
+        "train__optimizer": "adam", "train__lr": 0.01, "train__keep_optimizer_state": True},
+}
+
+
 @pytest.mark.parametrize(("stop", "at"), [("interrupt", 3), ("crash", 5)])
-@pytest.mark.parametrize("strategy", ["fedadam", "scaffold"])
+@pytest.mark.parametrize("case", sorted(RESUMED))
 def test_a_stopped_or_crashed_engine_resumes_from_its_checkpoint_to_the_same_weights(
-    tmp_path: Path, stop: str, at: int, strategy: str
+    tmp_path: Path, stop: str, at: int, case: str
 ) -> None:
-    """A strategy with state of its own (FedAdam's moments) and per-client state (SCAFFOLD's controls)."""
-    spec = small_job(rounds=7, strategy={"name": strategy}, clients__total=6, clients__per_round=4,
-                     compression={"codec": "topk", "fraction": 0.2})
+    """A strategy with state of its own (FedAdam's moments), per-client state (SCAFFOLD's controls),
+    each client's own optimizer state; topk's residuals in all."""
+    spec = small_job(rounds=7, clients__total=6, clients__per_round=4,
+                     compression={"codec": "topk", "fraction": 0.2}, **RESUMED[case])
     whole = run_job(spec, Settings(state_dir=tmp_path / "whole"))
     settings = Settings(state_dir=tmp_path / "stopped", checkpoint_every=2)
     stopper = Stopper(at, crash=stop == "crash")
@@ -198,3 +211,37 @@ def test_a_job_whose_clients_cannot_train_together_is_told_why_once(
     assert result["status"] == "completed"
     assert len(notes) == len(said) and all(s in n for s, n in zip(said, notes, strict=True)), notes
     assert bool(result["fused_groups"]) == (not changes)
+
+
+def test_a_clients_own_state_comes_back_to_it_each_time_it_trains_on_both_engines(
+    transport: Transport, tmp_path: Path
+) -> None:
+    """Visits counts each client's trainings in its state: a round's most is what sampling says."""
+    spec = small_job(task__name="tests.integration.train_plugins:Visits", clients__total=5,
+                     clients__per_round=2, rounds=6, train__momentum=0.9, train__keep_optimizer_state=True)
+    services = on_services(spec, transport.settings.model_copy(update={"torch_threads": THREADS}),
+                           connect=transport.connect, idle_timeout=60)
+    engine = run_job(spec, Settings(state_dir=tmp_path, torch_threads=THREADS))
+    assert services["status"] == engine["status"] == "completed", (
+        services.get("reason"), engine.get("reason"))
+    visits: dict[int, int] = {}
+    expected = []
+    for server_round in range(1, spec.rounds + 1):
+        picked = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
+        visits |= {c: visits.get(c, 0) + 1 for c in picked}
+        expected.append(float(max(visits[c] for c in picked)))
+    for result in (engine, services):
+        train = [h["metrics"]["train"] for h in result["history"][1:]]
+        assert [t["visits"] for t in train] == expected
+        assert all(t["kept_right"] == 1.0 for t in train), "ints, bools, floats and tensors as they were left"
+    assert digests(engine) == digests(services)
+
+
+def test_kept_optimizer_state_changes_the_run(tmp_path: Path) -> None:
+    """The state is used, not only kept: momentum carried over lands elsewhere than momentum afresh."""
+    changes: dict[str, Any] = {"train__momentum": 0.9, "train__fuse": False, "clients__per_round": 3,
+                               "rounds": 3}
+    kept = run_job(small_job(train__keep_optimizer_state=True, **changes), Settings(state_dir=tmp_path / "k"))
+    afresh = run_job(small_job(**changes), Settings(state_dir=tmp_path / "a"))
+    assert digests(kept)[:2] == digests(afresh)[:2], "round 1 trains every client afresh either way"
+    assert digests(kept)[2:] != digests(afresh)[2:]

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 import fedmq
@@ -117,3 +118,25 @@ def reset() -> None:
             event.set()  # nothing may stay blocked after its test
         _gates.clear()
         _made.clear()
+
+
+class Visits(Digits):
+    """Keeps each client's own state between its rounds (Task.keeps_state): how many times it
+    trained (an int), the rounds it trained in (a tensor), a bool and a float, each checked to come
+    back as it was left; fedmq's loop keeps its optimizer's state there too (the spec's
+    train.keep_optimizer_state). Reports `visits` (the round's most) and `kept_right`."""
+
+    keeps_state = True
+    metric_reduction = {"visits": "max", "kept_right": "min"}
+
+    def train(self, model: nn.Module, data: Any, ctx: fedmq.TrainContext) -> fedmq.TrainResult:
+        state = ctx.state
+        visits = state.get("visits", 0)
+        seen = state.get("rounds", torch.zeros(0, dtype=torch.int64))
+        right = (isinstance(visits, int) and not isinstance(visits, bool) and len(seen) == visits
+                 and (visits == 0 or (state.get("warm") is True and state.get("scale") == 0.5)))
+        state.update(visits=visits + 1, rounds=torch.cat([seen, torch.tensor([ctx.round])]), warm=True,
+                     scale=0.5)
+        result = train_with_loss(self, model, data, ctx)
+        metrics = {**result.metrics, "visits": float(visits + 1), "kept_right": float(right)}
+        return fedmq.TrainResult(result.num_examples, metrics, result.extras)

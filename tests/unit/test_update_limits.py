@@ -50,6 +50,18 @@ def test_an_update_norm_over_the_bound_is_refused_and_one_at_it_passes() -> None
     check_update(update(delta=100.0), model())  # no bound: any finite update
 
 
+def test_a_clients_state_rides_only_where_its_job_keeps_it_and_only_as_a_learner_makes_it() -> None:
+    kept = {"fedmq.state.i.visits": torch.tensor(3), "fedmq.state.t.m": torch.zeros(3, 4)}
+    check_update(update(extras=kept), model(), task_state=True)
+    assert reason(update=update(extras=kept)) == "bad_state"  # the job keeps none
+    floating = {"fedmq.state.i.visits": torch.tensor(3.0)}  # an int kept as a float
+    assert reason(update=update(extras=floating), task_state=True) == "bad_state"
+    huge = {"fedmq.state.t.m": torch.zeros(1 << 19)}  # 2 MiB: over four models (~0.1 kB) and 1 MiB
+    assert reason(update=update(extras=huge), task_state=True) == "bad_state"
+    stray = {"fedmq.other.x": torch.zeros(1)}
+    assert reason(update=update(extras=stray), task_state=True) == "bad_compression"
+
+
 def test_a_compressed_update_is_bounded_by_its_decoded_norm() -> None:
     int8 = CompressionSpec(codec="int8")
     scaled = compressed(update(delta=0.5), model(), int8, None)
