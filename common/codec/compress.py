@@ -273,10 +273,28 @@ def declared(meta: Any) -> tuple[Codec, list[tuple[str, str, tuple[int, ...]]]]:
 def _cast(name: str, x: torch.Tensor, codec: str) -> torch.Tensor:
     if codec == "none":
         return x
-    out = x.to(_torch_dtype(codec))
+    out = _narrowed(x).to(_torch_dtype(codec))
     if bool((out.isinf() & x.isfinite()).any()):
         raise ValidationError("delta overflows " + codec, f"{name}: use codec bfloat16 or int8 instead")
     return out
+
+
+def _narrowed(x: torch.Tensor) -> torch.Tensor:
+    """A float64 tensor as float32 rounded to odd, which float16 and bfloat16 then round correctly.
+
+    torch casts float64 to either through float32, rounding twice: -110.59374918 became -110.625 in
+    float16, where the nearest is -110.5625 (NumPy's). Rounded to odd (toward zero, then the last
+    bit set when inexact), the float32 keeps which side of a float16 midpoint the value lies on.
+    Other dtypes are returned as they are."""
+    import torch
+
+    if x.dtype != torch.float64:
+        return x
+    near = x.to(torch.float32)
+    over = near.to(torch.float64).abs() > x.abs()  # rounded away from zero: one step back
+    toward = torch.where(over, torch.nextafter(near, torch.zeros_like(near)), near)
+    inexact = (toward.to(torch.float64) != x) & x.isfinite()
+    return (toward.view(torch.int32) | inexact.to(torch.int32)).view(torch.float32)
 
 
 def _int8(name: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
