@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import sys
 from collections.abc import Mapping
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from fedmq.common.allowlist import AllowList, active, allowing
@@ -86,7 +88,7 @@ def import_ref(ref: str, what: str, allowed: AllowList | None = None) -> Any:
     if any(part.startswith("__") for part in attr_path.split(".")):
         raise ConfigError(f"{what} {ref!r}: name a class, not a dunder attribute")
     try:
-        module = importlib.import_module(module_name)
+        module = _running_script(module_name) or importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise ConfigError(
@@ -107,6 +109,8 @@ def import_ref(ref: str, what: str, allowed: AllowList | None = None) -> Any:
                 f"{what} {ref!r}: module {module_name!r} has no attribute {attr_path!r}"
             ) from None
     defined_in = getattr(target, "__module__", None)
+    if defined_in == "__main__" and module is sys.modules.get("__main__"):
+        defined_in = module_name  # the running script, named as it was
     if isinstance(target, type) and isinstance(defined_in, str) and defined_in != module_name:
         allowed.check(defined_in, what, f"{defined_in}:{getattr(target, '__qualname__', attr_path)}")
     return target
@@ -118,6 +122,15 @@ def ref_of(cls: type) -> str:
     if module == "__main__":
         module = _main_module_name() or module
     return f"{module}:{cls.__qualname__}"
+
+
+def _running_script(module_name: str) -> ModuleType | None:
+    """The running script itself when `module_name` names it and nothing imported it under that
+    name: imported again, its top level would run again (a training started without a
+    `if __name__ == "__main__":` guard would start another, inside this one)."""
+    if module_name in sys.modules or _main_module_name() != module_name:
+        return None
+    return sys.modules.get("__main__")
 
 
 def _main_module_name() -> str | None:

@@ -24,7 +24,10 @@ workers start equal however they are built. A worker is built afresh for every r
 trainer class (its constructor arguments are recorded), so its optimizer state lives one round:
 the same on every learner, and after any crash. Optional: define `evaluate(self, worker)` on the
 trainer to report metrics of the synced weights (it runs where the aggregator runs).
-Keyword arguments of `train()` reach `create_worker` and `load_data_shard`, as in seed 002.
+Keyword arguments of `train()` reach `create_worker` and `load_data_shard`, as in seed 002. The
+trainer's and `train()`'s arguments travel to the learners as JSON: anything else is refused at
+once, naming the argument. `on_train_start` runs before the job is built (a `set_worker_weight`
+there counts).
 Hooks follow syncs, not single epochs: with `sync_interval` > 1, `on_epoch_start` gets the
 round's first epoch and `on_epoch_end` its last, with that epoch's numeric results averaged over
 the workers (earlier epochs of the round are not reported); the history has one entry per sync.
@@ -32,7 +35,9 @@ the workers (earlier epochs of the round are not reported); the history has one 
 
 from __future__ import annotations
 
+import json
 import math
+import threading
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, ClassVar
@@ -53,6 +58,10 @@ class DataParallelTrainer:
     _init: tuple[tuple[Any, ...], dict[str, Any]]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DataParallelTrainer:
+        for i, value in enumerate(args):
+            _check_travels(value, f"{cls.__name__}(): positional argument {i}")
+        for name, value in kwargs.items():
+            _check_travels(value, f"{cls.__name__}(): argument {name!r}")
         self = super().__new__(cls)
         self._init = (args, kwargs)  # so every process can build the same trainer again
         return self
@@ -96,13 +105,18 @@ class DataParallelTrainer:
 
     def train(self, epochs: int, **kwargs: Any) -> Any:
         """Train for `epochs` epochs, syncing every `sync_interval`; returns on_train_end(history)."""
+        if getattr(_building, "trainer", None):
+            raise RuntimeError(
+                f"{type(self).__name__}.train() ran while fedmq imported {_building.trainer!r} for its "
+                "trainer class: the script starts training at import. Put the training under "
+                "`if __name__ == \"__main__\":`")
+        for name, value in kwargs.items():
+            _check_travels(value, f"train(): argument {name!r}")
+        self.on_train_start(**kwargs)  # first: a weight it sets goes into the job
         job = self.job(epochs, **kwargs)
         trainer, history = self, []
 
         class Hooks(fedmq.Callback):
-            def on_train_start(self, job: Any, job_id: str) -> None:
-                trainer.on_train_start(**kwargs)
-
             def on_round_start(self, round: int) -> None:
                 trainer.on_epoch_start(_first_epoch(round, trainer.sync_interval), **kwargs)
 
@@ -203,7 +217,11 @@ class WorkerTask(fedmq.Task):
         sync_interval: int,
         epochs: int,
     ) -> None:
-        cls = import_ref(trainer, what="trainer")  # checked against the allow-list in force
+        _building.trainer = trainer  # its module's top level must not start a training
+        try:
+            cls = import_ref(trainer, what="trainer")  # checked against the allow-list in force
+        finally:
+            _building.trainer = None
         if not (isinstance(cls, type) and issubclass(cls, DataParallelTrainer)):
             raise ConfigError(
                 f"trainer {trainer!r} is a {type(cls).__name__}, not a subclass of DataParallelTrainer"
@@ -227,7 +245,8 @@ class WorkerTask(fedmq.Task):
         results = [
             worker.train_epoch(epoch) for epoch in range(first, min(first + self.sync_interval, self.epochs))
         ]
-        new = worker.get_weights()
+        new = list(worker.get_weights())
+        _check_weights(new, model.tensors())
         with torch.no_grad():
             for param, value in zip(model.weights, new, strict=True):
                 param.copy_(value)
@@ -244,6 +263,29 @@ class WorkerTask(fedmq.Task):
             worker.load_data_shard(worker_id, self.trainer.num_workers, **self.kwargs)
         worker.set_weights(model.tensors())
         return worker
+
+
+_building = threading.local()  # .trainer: the trainer ref WorkerTask is importing in this thread
+
+
+def _check_travels(value: Any, where: str) -> None:
+    """TypeError (one line) unless `value` can travel to every learner as JSON."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"{where} is a {type(value).__name__}, which cannot travel to the learners ({exc}): pass "
+            "numbers, strings, lists or dicts, and build objects inside create_worker") from None
+
+
+def _check_weights(new: list[Any], first: list[torch.Tensor]) -> None:
+    """ValueError naming the worker method and the numbers when its weights do not fit the first sync's."""
+    if len(new) != len(first):
+        raise ValueError(f"get_weights returned {len(new)} tensors, the first sync had {len(first)}")
+    for i, (value, was) in enumerate(zip(new, first, strict=True)):
+        if not isinstance(value, torch.Tensor) or value.shape != was.shape:
+            what = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"get_weights()[{i}] is {what}, the first sync's is {list(was.shape)}")
 
 
 def _first_epoch(server_round: int, sync_interval: int) -> int:

@@ -1,0 +1,99 @@
+"""Seed 002's trainer API (fedmq.compat.miniray) on the in-process engine: the hooks it promises,
+and the errors a seed-002 user hits first, each named in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fedmq.compat.miniray import DataParallelTrainer
+from tests.conftest import REPO
+
+
+class Worker:
+    """Two tensors; an epoch sets both to the worker's id (`short`: then gives one of them back)."""
+
+    def __init__(self, worker_id: int, short: bool = False) -> None:
+        self.id, self.short, self.trained = worker_id, short, False
+        self.a, self.b = torch.zeros(3), torch.zeros(2)
+
+    def train_epoch(self, epoch: int) -> dict[str, float]:
+        self.a, self.b = torch.full((3,), float(self.id)), torch.full((2,), float(self.id))
+        self.trained = True
+        return {"loss": float(self.id)}
+
+    def get_weights(self) -> list[torch.Tensor]:
+        return [self.a] if self.short and self.trained else [self.a, self.b]
+
+    def set_weights(self, weights: list[torch.Tensor]) -> None:
+        self.a, self.b = weights[0].clone(), weights[1].clone()
+
+
+class Trainer(DataParallelTrainer):
+    def create_worker(self, worker_id: int, **kwargs: Any) -> Worker:
+        return Worker(worker_id, short=bool(kwargs.get("short")))
+
+    def evaluate(self, worker: Worker) -> dict[str, float]:
+        return {"a": float(worker.a[0])}
+
+
+class Weighting(Trainer):
+    def on_train_start(self, **kwargs: Any) -> None:
+        self.set_worker_weight(1, 3.0)
+
+
+@pytest.mark.parametrize(("trainer", "synced"), [(Trainer, 0.5), (Weighting, 0.75)],
+                         ids=["equal", "weight-set-in-on_train_start"])
+def test_a_worker_weight_set_in_on_train_start_takes_effect(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trainer: type[Trainer], synced: float
+) -> None:
+    monkeypatch.chdir(tmp_path)  # fedmq.run keeps its state in ./.fedmq
+    history = trainer(num_workers=2, sync_strategy="weighted").train(epochs=1)
+    assert history[-1]["a"] == synced  # workers 0 and 1 weighted 1 and 1 (or 3): the mean of their ids
+
+
+def test_an_argument_that_cannot_travel_is_refused_at_construction_in_one_line() -> None:
+    with pytest.raises(TypeError, match=r"Trainer\(\): argument 'model' is a object, which cannot travel"):
+        Trainer(num_workers=2, model=object())
+    with pytest.raises(TypeError, match=r"train\(\): argument 'data' is a Tensor"):
+        Trainer(num_workers=2).train(epochs=1, data=torch.zeros(2))
+
+
+def test_weights_that_do_not_fit_the_first_sync_name_the_method_and_the_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="get_weights returned 1 tensors, the first sync had 2"):
+        Trainer(num_workers=2).train(epochs=1, short=True)
+
+
+SCRIPT = '''
+import torch
+from fedmq.compat.miniray import DataParallelTrainer
+
+class Worker:
+    def __init__(self, worker_id): self.w = torch.zeros(2)
+    def train_epoch(self, epoch): return {"loss": 1.0}
+    def get_weights(self): return [self.w]
+    def set_weights(self, weights): self.w = weights[0].clone()
+
+class Unguarded(DataParallelTrainer):
+    def create_worker(self, worker_id, **kwargs): return Worker(worker_id)
+
+print(Unguarded(num_workers=2).train(epochs=2)[-1]["epoch"])  # no `if __name__ == "__main__":`
+'''
+
+
+def test_a_script_without_a_main_guard_trains_once_in_its_own_process(tmp_path: Path) -> None:
+    """Its trainer class comes from the running script, not from importing it again (which ran
+    the training again, inside the first, and hung)."""
+    (tmp_path / "unguarded.py").write_text(SCRIPT)
+    out = subprocess.run([sys.executable, "unguarded.py"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1"], out.stdout
