@@ -27,13 +27,32 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["rows_batch_norm"]
+__all__ = ["BatchOfOne", "rows_batch_norm", "unbatched_buffers"]
+
+
+class BatchOfOne(ValueError):
+    """A batch with one value per channel in training, which BatchNorm refuses (as torch does).
+    Every client of a fused step has the same batch shape: each of them fails, and no other."""
+
+
+def _plain_batch_norm(module: nn.Module) -> bool:
+    """A BatchNorm whose forward is torch's own (BatchNorm1d/2d/3d and subclasses that keep it)."""
+    return isinstance(module, _BatchNorm) and type(module).forward is _BatchNorm.forward
+
+
+def unbatched_buffers(model: nn.Module) -> str | None:
+    """The first module with buffers that fused training cannot keep per client (not a plain
+    BatchNorm: SyncBatchNorm, a module of the user's own), as `name (Type)`; None if none."""
+    for name, module in model.named_modules():
+        if any(True for _ in module.buffers(recurse=False)) and not _plain_batch_norm(module):
+            return f"{name or 'the model'} ({type(module).__name__})"
+    return None
 
 
 @contextlib.contextmanager
 def rows_batch_norm(model: nn.Module) -> Iterator[None]:
     """While inside, `model`'s BatchNorm modules compute with `_forward` (their own forward after)."""
-    patched = [m for m in model.modules() if type(m) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)]
+    patched = [m for m in model.modules() if _plain_batch_norm(m)]
     for module in patched:
         module.forward = types.MethodType(_forward, module)
     try:
@@ -50,8 +69,9 @@ def _forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     batch_stats = self.training or self.running_mean is None
     if batch_stats:
         count = x.numel() // x.shape[1]
-        if count < 2 and self.training:
-            raise ValueError(f"Expected more than 1 value per channel when training, got {list(x.shape)}")
+        if count < 2 and self.training:  # torch's own words
+            raise BatchOfOne(
+                f"Expected more than 1 value per channel when training, got input size {x.size()}")
         mean = x.mean(dims)
         centred = x - mean.reshape(shape)
         var = (centred * centred).mean(dims)

@@ -50,7 +50,7 @@ from fedmq.common.finite import finite_by_row
 from fedmq.common.strategy.contract import PROXIMAL_MU, SCAFFOLD
 from fedmq.common.task.bank import Bank
 from fedmq.common.task.batches import Source, batch_size_of, source, to_device
-from fedmq.common.task.batchnorm import rows_batch_norm
+from fedmq.common.task.batchnorm import BatchOfOne, rows_batch_norm, unbatched_buffers
 from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
 from fedmq.common.task.dpsgd import draw_noise, epsilon_spent, noise_generator, private_gradient, refuse_model
 from fedmq.common.task.functional import LossCall, loss_with_aux, unsqueeze
@@ -70,6 +70,7 @@ class Fused:
     weights: dict[str, torch.Tensor]
     result: TrainResult
     finite: bool = False  # True: every value of `weights` was seen finite (False: not known)
+    error: Exception | None = None  # this client failed as it would alone (its weights are empty)
 
 
 def can_fuse(model: nn.Module, ctx: TrainContext) -> str | None:
@@ -82,6 +83,8 @@ def can_fuse(model: nn.Module, ctx: TrainContext) -> str | None:
         return f"optimizer {ctx.train.optimizer!r} is not fused"
     if any(not p.requires_grad for p in model.parameters()):
         return "the model has frozen parameters, which only the sequential loop leaves alone"
+    if (where := unbatched_buffers(model)) is not None:
+        return f"{where} keeps buffers only the sequential loop updates per client"
     return None
 
 
@@ -101,6 +104,7 @@ def train_fused(
     task: Task, model: nn.Module, datas: Sequence[Any], ctxs: Sequence[TrainContext]
 ) -> list[Fused] | None:
     """Train each client (`datas[i]`, `ctxs[i]`) from `model`'s weights, all at once; None: cannot fuse.
+    A client that fails alone (a batch of one in BatchNorm) has its `error`; the others trained.
 
     Every context must share one round and one `train` section; `model` is not changed.
     """
@@ -189,6 +193,7 @@ class _Trainer:
             for src, ctx in zip(sources, ctxs, strict=True)
         ]
         self.totals: dict[str, torch.Tensor] = {}  # name -> each client's example-weighted sum, this epoch
+        self.failures: dict[int, Exception] = {}  # client -> why it failed (its rows then mean nothing)
         self.seen = [0] * self.count
         # Forward under vmap, backward by autograd through it: the sum of independent clients'
         # losses has each client's gradient in its own row, without a grad transform per step.
@@ -266,7 +271,8 @@ class _Trainer:
         totals = torch.stack([self.totals[n] for n in names]).cpu().tolist() if names else []  # one host sync
         per_client = [{n: t[i] for n, t in zip(names, totals, strict=True)} for i in range(self.count)]
         finite = self._finite()
-        return [self._outcome(i, sums, finite[i]) for i, sums in enumerate(per_client)]
+        return [Fused({}, TrainResult(0), error=self.failures[i]) if i in self.failures
+                else self._outcome(i, sums, finite[i]) for i, sums in enumerate(per_client)]
 
     def _finite(self) -> list[bool]:
         """Whether each client's weights are all finite: one check of the stacked rows, not one per
@@ -413,6 +419,10 @@ class _Trainer:
                 grads, aux = self._gradients_alone(leaves, batches, mask, buffers)
             else:
                 grads, aux = self._gradients(leaves, batches, mask, buffers)
+        except BatchOfOne as err:  # each of the step's clients fails as it would alone; the rest go on
+            for i, _, _ in group:
+                self.failures.setdefault(i, err)
+            return
         except (RuntimeError, ValueError, IndexError, TypeError) as err:  # random numbers, no vmap rule
             raise _CannotFuse(str(err)) from err
         if not whole:  # the forward updated the group's copies of its buffers

@@ -42,7 +42,7 @@ from fedmq.common.task.contract import (
 from fedmq.common.task.dpsgd import EPSILON
 from fedmq.common.task.loop import train_with_loss
 from fedmq.common.task.metrics import check_metrics, check_rules
-from fedmq.common.usercode import UserCodeError, user_code
+from fedmq.common.usercode import MESSAGE_CHARS, UserCodeError, user_code
 
 if TYPE_CHECKING:
     from fedmq.common.allowlist import AllowList
@@ -178,6 +178,10 @@ class TaskRuntime:
         names = list(model.state_dict())
         out: list[tuple[dict[str, torch.Tensor], TrainResult] | UserCodeError] = []
         for ctx, one in zip(ctxs, fused, strict=True):
+            if (err := one.error) is not None:  # as the sequential loop would have failed it
+                name, message = type(err).__name__, str(err)[:MESSAGE_CHARS]
+                out.append(UserCodeError("loss", name, message, round=ctx.round, client=ctx.client))
+                continue
             weights = {n: one.weights[n].to("cpu") for n in names}
             try:
                 with user_code("loss", client=ctx.client, round=ctx.round):

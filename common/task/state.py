@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedmq.common.codec.updates import STATE
+from fedmq.common.finite import all_finite
+from fedmq.common.strategy.checks import MAX_TENSORS, NAME
 
 if TYPE_CHECKING:
     from fedmq.common.jobspec import JobSpec
 
-__all__ = ["check_state_entries", "keeps_state", "state_entries", "state_of"]
+__all__ = ["check_state_entries", "keeps_state", "state_entries", "state_limit", "state_of"]
 
 _KINDS: dict[str, tuple[type, torch.dtype]] = {"i": (int, torch.int64), "f": (float, torch.float64),
                                                "b": (bool, torch.bool)}
@@ -76,17 +78,32 @@ def state_of(entries: Mapping[str, torch.Tensor], device: torch.device | None = 
     return out
 
 
+ENTRY_BYTES = 256  # what an entry costs beyond its values (its name, its header): counted in the limit
+
+
 def check_state_entries(entries: Mapping[str, Any], limit_bytes: int) -> None:
-    """ValueError unless `entries` are what `state_entries` makes: known kinds, scalars as 0-d
-    tensors of their dtype, tensors of `limit_bytes` in all at most."""
+    """ValueError unless `entries` are what `state_entries` makes: at most MAX_TENSORS, names as
+    for any tensor map, known kinds, scalars as 0-d tensors of their dtype, tensors real and
+    finite, `limit_bytes` in all at most (values and ENTRY_BYTES an entry)."""
+    if len(entries) > MAX_TENSORS:
+        raise ValueError(f"client state of {len(entries)} entries, at most {MAX_TENSORS}")
     size = 0
     for key, tensor in entries.items():
         kind, _, name = key[len(STATE):].partition(".")
-        if not name or (kind != "t" and kind not in _KINDS) or not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{key!r} is no client state entry")
+        if (not NAME.match(name) or (kind != "t" and kind not in _KINDS)
+                or not isinstance(tensor, torch.Tensor)):
+            raise ValueError(f"{key[:80]!r} is no client state entry (names must match {NAME.pattern})")
         if kind in _KINDS and (tensor.dim() != 0 or tensor.dtype != _KINDS[kind][1]):
             want = _KINDS[kind][1]
             raise ValueError(f"{key!r} must be a 0-d {want}, not {tensor.dtype} {list(tensor.shape)}")
-        size += tensor.numel() * tensor.element_size()
+        bad = tensor.is_complex() or (tensor.is_floating_point() and not bool(all_finite(tensor)))
+        if kind == "t" and bad:
+            raise ValueError(f"ctx.state[{name!r}] holds NaN, infinity or complex values")
+        size += tensor.numel() * tensor.element_size() + ENTRY_BYTES
     if size > limit_bytes:
         raise ValueError(f"client state of {size} bytes, over its limit of {limit_bytes}")
+
+
+def state_limit(weights: Mapping[str, torch.Tensor]) -> int:
+    """The most bytes a client's state may take: four times the model (Adam's moments are two) and 1 MiB."""
+    return 4 * sum(t.numel() * t.element_size() for t in weights.values()) + (1 << 20)

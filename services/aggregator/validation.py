@@ -13,7 +13,7 @@ from fedmq.common.errors import DecodeError, ValidationError
 from fedmq.common.finite import all_finite
 from fedmq.common.messages import ClientUpdate
 from fedmq.common.strategy.checks import check_tensor_map
-from fedmq.common.task.state import check_state_entries, keeps_state
+from fedmq.common.task.state import check_state_entries, keeps_state, state_limit
 from fedmq.services.aggregator.kernels.private import delta_norm
 
 if TYPE_CHECKING:
@@ -117,9 +117,8 @@ def check_state(
     entries = {k: v for k, v in extras.items() if k.startswith(STATE)}
     if entries and not kept:
         raise ValidationError("bad_state", "client state in an update of a job that keeps none")
-    model = sum(t.numel() * t.element_size() for t in reference.values())
     try:
-        check_state_entries(entries, 4 * model + (1 << 20))
+        check_state_entries(entries, state_limit(reference))
     except ValueError as exc:
         raise ValidationError("bad_state", str(exc)) from None
 

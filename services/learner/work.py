@@ -45,7 +45,7 @@ from fedmq.common.task.contract import (
 )
 from fedmq.common.task.fused import can_fuse, group_size
 from fedmq.common.task.runtime import TaskRuntime
-from fedmq.common.task.state import keeps_state, state_entries, state_of
+from fedmq.common.task.state import check_state_entries, keeps_state, state_entries, state_limit, state_of
 from fedmq.common.usercode import UserCodeError
 
 log = structlog.get_logger("fedmq.learner")
@@ -79,6 +79,7 @@ class JobContext:
     # (Work keeps one for the job it worked on last only).
     on_device: tuple[str, dict[str, torch.Tensor]] | None = None
     checked: str | None = None  # the digest of the global model last found to match this model
+    plain: bool | None = None  # `_plain`, once known
 
     def load(
         self, weights: Mapping[str, torch.Tensor], server_round: int, client: int, digest: str | None = None
@@ -91,12 +92,14 @@ class JobContext:
         against 0.03 s from host memory. It costs the device one model's memory, not the host; a
         device too full for it loads from the host, as before."""
         check = digest is None or digest != self.checked
-        if self.lent and not check:
-            # Fresh tensors that hold the global weights (the update keeps the old ones, unchanged),
+        if self.lent and not check and self._plain():
+            # Fresh tensors (the update keeps the old ones, unchanged) that hold the global weights,
             # names, shapes and dtypes known to match: a copy each, not load_state_dict's walk.
             with torch.no_grad():
                 for name, tensor in self.model.state_dict(keep_vars=True).items():
-                    tensor.data = weights[name].detach().clone()
+                    fresh = torch.empty_like(tensor)  # the model's own layout (channels_last stays)
+                    fresh.copy_(weights[name])
+                    tensor.data = fresh
             self.lent = False
             return
         if self.lent:
@@ -119,6 +122,16 @@ class JobContext:
                 self.on_device = (digest, {name: tensor.detach().clone() for name, tensor in state.items()})
         except torch.OutOfMemoryError:
             log.info("global_model_not_kept_on_device", detail="the device is too full for a copy")
+
+    def _plain(self) -> bool:
+        """Whether loading the model is only copying its tensors: no load hooks, no extra state."""
+        if self.plain is None:
+            modules = list(self.model.modules())
+            self.plain = (
+                all(isinstance(t, torch.Tensor) for t in self.model.state_dict(keep_vars=True).values())
+                and not any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks for m in modules)
+            )
+        return self.plain
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         """The trained model's tensors for its update, which the bus may still be sending (a publish
@@ -310,17 +323,16 @@ class Work:
         state = job.trained_state()
         seconds = time.perf_counter() - fetched
         self.metrics.train_seconds.observe(seconds)
-        update = self._update(job, task, weights, state, result, seconds, fetched - started, fetch_bytes,
-                              residual)
-        if not keeps_state(job.spec, job.runtime.task):
-            return update
         try:  # the client's state for its next round rides with the update (common/task/state.py)
             check_no_prefix(result.extras, "TrainResult.extras")
-            entries = state_entries(ctx.state)
+            entries = state_entries(ctx.state) if keeps_state(job.spec, job.runtime.task) else {}
+            check_state_entries(entries, state_limit(state))  # the aggregator's own check, named here
         except (TypeError, ValueError) as exc:
             raise UserCodeError("train" if has_train(job.runtime.task) else "loss", type(exc).__name__,
                                 str(exc), round=task.round, client=task.client) from None
-        return update.model_copy(update={"extras": {**update.extras, **entries}})
+        update = self._update(job, task, weights, state, result, seconds, fetched - started, fetch_bytes,
+                              residual)
+        return update.model_copy(update={"extras": {**update.extras, **entries}}) if entries else update
 
     def fusable(self, task: TrainTask) -> bool:
         """Whether this task goes to `train_group`: its job does not refuse fusing (train.fuse: false)

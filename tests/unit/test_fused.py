@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fedmq.common.task.contract import ClientData, Task, TrainContext, TrainSettings
-from fedmq.common.task.fused import group_size, train_fused
+from fedmq.common.task.fused import can_fuse, group_size, train_fused
 from fedmq.common.task.loop import train_with_loss
 
 TOLERANCE = 1e-5  # float32 weights after a few dozen steps; batched products reduce in another order
@@ -177,10 +177,40 @@ def test_batchnorm_fuses_with_each_clients_running_statistics_its_own(
     assert "forward" not in vars(model.get_submodule("1")), "its BatchNorm computes with torch's kernel again"
 
 
-def test_a_batch_of_one_in_batchnorm_is_left_to_the_sequential_loop_to_refuse() -> None:
-    task, data = Mlp(norm=True), clients([9, 16])  # 9 of 8: a last batch of one
+def test_a_client_with_a_batch_of_one_in_batchnorm_fails_alone_and_the_rest_train_as_alone() -> None:
+    task, data = Mlp(norm=True), clients([9, 16, 12])  # 9 of 8: a last batch of one
     model = model_for(task)
-    assert train_fused(task, model, data, contexts(model, len(data), SETTINGS["sgd"])) is None
+    together = train_fused(task, model, data, contexts(model, 3, SETTINGS["sgd"]))
+    assert together is not None
+    error = together[0].error
+    assert isinstance(error, ValueError) and "Expected more than 1 value per channel" in str(error)
+    one = model_for(task)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        train_with_loss(task, one, data[0], contexts(model, 3, SETTINGS["sgd"])[0])  # as it fails alone
+    ctxs = contexts(model, 3, SETTINGS["sgd"])
+    for i in (1, 2):
+        alone = train_fused(task, model, [data[i]], [ctxs[i]])
+        assert alone is not None and alone[0].error is None and together[i].error is None
+        assert all(torch.equal(w, together[i].weights[n]) for n, w in alone[0].weights.items()), i
+
+
+class KeptNorm(nn.BatchNorm1d):
+    """A subclass that keeps torch's forward: fused, computed as a plain BatchNorm."""
+
+
+class OwnNorm(nn.BatchNorm1d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 1.0
+
+
+@pytest.mark.parametrize("norm", [KeptNorm, OwnNorm, nn.SyncBatchNorm], ids=lambda c: c.__name__)
+def test_only_a_batchnorm_with_torchs_own_forward_fuses_its_buffers(norm: type[nn.Module]) -> None:
+    model = nn.Sequential(nn.Linear(6, 16, bias=False), norm(16), nn.ReLU(), nn.Linear(16, 3))
+    why = can_fuse(model, contexts(model, 1, SETTINGS["sgd"])[0])
+    if norm is KeptNorm:
+        assert why is None
+    else:
+        assert why is not None and norm.__name__ in why and "keeps buffers" in why
 
 
 def test_the_group_shrinks_with_the_memory_budget() -> None:

@@ -26,7 +26,7 @@ def test_a_clients_state_comes_back_as_it_was_left() -> None:
     assert torch.equal(back["moments"], state["moments"])
     for name in ("seen", "lr", "warm", "cold", "big"):
         assert back[name] == state[name] and type(back[name]) is type(state[name]), name
-    check_state_entries(state_entries(state), limit_bytes=1 << 10)
+    check_state_entries(state_entries(state), limit_bytes=1 << 12)
 
 
 @pytest.mark.parametrize(("value", "said"), [([1, 2], "a list"), ("text", "a str"), (None, "a NoneType")])
@@ -40,6 +40,10 @@ def test_a_value_a_state_cannot_keep_is_named(value: Any, said: str) -> None:
     ({"fedmq.state.i.x": torch.tensor([1, 2])}, "must be a 0-d torch.int64"),
     ({"fedmq.state.f.x": torch.tensor(1.0)}, "must be a 0-d torch.float64"),
     ({"fedmq.state.t.x": torch.zeros(300)}, "over its limit of 1024"),
+    ({f"fedmq.state.t.x{i}": torch.zeros(0, 10**9) for i in range(5)}, "over its limit"),  # empty ones
+    ({"fedmq.state.t.a/b": torch.zeros(1)}, "is no client state entry"),
+    ({"fedmq.state.t.x": torch.tensor([float("nan")])}, "holds NaN, infinity or complex values"),
+    ({"fedmq.state.t.x": torch.zeros(1, dtype=torch.complex64)}, "holds NaN, infinity or complex values"),
 ])
 def test_entries_a_learner_did_not_make_are_refused(entries: dict[str, torch.Tensor], said: str) -> None:
     with pytest.raises(ValueError, match=said):
