@@ -20,10 +20,14 @@ round runs `sync_interval` epochs of `train_epoch` and then syncs; `average`, `w
 `momentum` are the strategies `average`, `weighted` (the weights you set, normalised; a worker
 without one counts 1) and `moving_average` (w = m·w_prev + (1 − m)·average, the first sync a
 plain average). Unlike upstream, the global weights are broadcast before the first epoch, so
-workers start equal however they are built. A worker is built afresh for every round from the
-trainer class (its constructor arguments are recorded), so its optimizer state lives one round:
-the same on every learner, and after any crash. Optional: define `evaluate(self, worker)` on the
-trainer to report metrics of the synced weights (it runs where the aggregator runs).
+workers start equal however they are built. A worker is built for every round from the trainer
+class (its constructor arguments are recorded), then given back what a living worker keeps: each
+of its `nn.Module` attributes' parameters and buffers (BatchNorm's statistics), each optimizer's
+state (momentum, Adam's moments) and each `torch.Generator`'s state, kept as its client's state
+between rounds (the same on every learner, and after any crash); then the synced weights. Other
+attributes (a Python counter, a list) start afresh each round. Optional: define
+`evaluate(self, worker)` on the trainer to report metrics of the synced weights (it runs where
+the aggregator runs, on a worker freshly built: its BatchNorm statistics are the initial ones).
 Keyword arguments of `train()` reach `create_worker` and `load_data_shard`, as in seed 002. The
 trainer's and `train()`'s arguments travel to the learners as JSON: anything else is refused at
 once, naming the argument. `on_train_start` runs before the job is built (a `set_worker_weight`
@@ -204,9 +208,14 @@ class WeightsModule(nn.Module):
 
 
 class WorkerTask(fedmq.Task):
-    """The fedmq Task that runs a DataParallelTrainer's workers (built by `DataParallelTrainer.job`)."""
+    """The fedmq Task that runs a DataParallelTrainer's workers (built by `DataParallelTrainer.job`).
+
+    A worker is built each round, and what a living worker would keep comes back from its client
+    state (`worker_state`): its modules' parameters and buffers, its optimizers' state, its
+    generators. Then the synced weights go in with `set_weights`."""
 
     metric_reduction: ClassVar[Mapping[str, Any]] = {}
+    keeps_state = True
 
     def __init__(
         self,
@@ -240,7 +249,7 @@ class WorkerTask(fedmq.Task):
 
     def train(self, model: nn.Module, data: int, ctx: fedmq.TrainContext) -> fedmq.TrainResult:
         assert isinstance(model, WeightsModule)
-        worker = self._worker(data, model)
+        worker = self._worker(data, model, ctx.state)
         first = _first_epoch(ctx.round, self.sync_interval)
         results = [
             worker.train_epoch(epoch) for epoch in range(first, min(first + self.sync_interval, self.epochs))
@@ -251,18 +260,81 @@ class WorkerTask(fedmq.Task):
             for param, value in zip(model.weights, new, strict=True):
                 param.copy_(value)
         numeric = {k: float(v) for k, v in (results[-1] if results else {}).items() if _is_number(v)}
+        ctx.state.clear()
+        ctx.state.update(worker_state(worker))
         return fedmq.TrainResult(num_examples=1, metrics=numeric)
 
     def evaluate(self, model: nn.Module, data: Any, ctx: fedmq.EvalContext) -> dict[str, float]:
         assert isinstance(model, WeightsModule)
         return dict(self.trainer.evaluate(self._worker(0, model)))  # type: ignore[attr-defined]
 
-    def _worker(self, worker_id: int, model: WeightsModule) -> Any:
+    def _worker(self, worker_id: int, model: WeightsModule, state: Mapping[str, Any] | None = None) -> Any:
         worker = self.trainer.create_worker(worker_id, **self.kwargs)
         if hasattr(worker, "load_data_shard"):
             worker.load_data_shard(worker_id, self.trainer.num_workers, **self.kwargs)
+        if state:
+            load_worker_state(worker, state)
         worker.set_weights(model.tensors())
         return worker
+
+
+def worker_state(worker: Any) -> dict[str, torch.Tensor]:
+    """What a living worker keeps, as client-state tensors: each `nn.Module` attribute's state_dict
+    (parameters and buffers: BatchNorm's statistics), each optimizer's state_dict (its moments;
+    its other values as JSON in a byte tensor) and each `torch.Generator`'s state."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in vars(worker).items():
+        if isinstance(value, nn.Module):
+            out |= {f"{name}.module.{k}": v.detach().clone() for k, v in value.state_dict().items()}
+        elif isinstance(value, torch.optim.Optimizer):
+            tensors: list[torch.Tensor] = []
+            tree = _packed(value.state_dict(), tensors)
+            out[f"{name}.optimizer"] = torch.tensor(list(json.dumps(tree).encode()), dtype=torch.uint8)
+            out |= {f"{name}.optimizer_{i}": t.detach().clone() for i, t in enumerate(tensors)}
+        elif isinstance(value, torch.Generator):
+            out[f"{name}.generator"] = value.get_state()
+    return out
+
+
+def load_worker_state(worker: Any, state: Mapping[str, Any]) -> None:
+    """`worker_state`'s tensors back into a freshly built worker's attributes of the same names."""
+    for name, value in vars(worker).items():
+        if isinstance(value, nn.Module):
+            prefix = f"{name}.module."
+            own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            if own:
+                value.load_state_dict(own)
+        elif isinstance(value, torch.optim.Optimizer) and f"{name}.optimizer" in state:
+            tree = json.loads(bytes(state[f"{name}.optimizer"].tolist()).decode())
+            value.load_state_dict(_unpacked(tree, lambda i, n=name: state[f"{n}.optimizer_{i}"]))
+        elif isinstance(value, torch.Generator) and f"{name}.generator" in state:
+            value.set_state(state[f"{name}.generator"])
+
+
+def _packed(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """A state_dict's tree as JSON, each tensor replaced by its index in `tensors` (no pickle)."""
+    if isinstance(tree, torch.Tensor):
+        tensors.append(tree)
+        return {"t": len(tensors) - 1}
+    if isinstance(tree, dict):
+        return {"d": [[key, _packed(value, tensors)] for key, value in tree.items()]}  # int keys stay ints
+    if isinstance(tree, list | tuple):
+        return {"l" if isinstance(tree, list) else "u": [_packed(value, tensors) for value in tree]}
+    if tree is None or isinstance(tree, bool | int | float | str):
+        return {"v": tree}
+    raise TypeError(f"an optimizer's state holds a {type(tree).__name__}, which fedmq cannot keep")
+
+
+def _unpacked(tree: Any, tensor: Any) -> Any:
+    kind, value = next(iter(tree.items()))
+    if kind == "t":
+        return tensor(value)
+    if kind == "d":
+        return {key: _unpacked(item, tensor) for key, item in value}
+    if kind in ("l", "u"):
+        items = [_unpacked(item, tensor) for item in value]
+        return items if kind == "l" else tuple(items)
+    return value
 
 
 _building = threading.local()  # .trainer: the trainer ref WorkerTask is importing in this thread
