@@ -13,7 +13,7 @@
 
     with MyTrainer(num_workers=4, sync_interval=2, sync_strategy="weighted") as trainer:
         trainer.set_worker_weight(0, 2.0)
-        history = trainer.train(epochs=20, batch_size=32)
+        out = trainer.train(epochs=20, batch_size=32)  # {"history", "workers", "num_epochs"}
 
 How it maps: each worker is a client (`clients.total = num_workers`, all train each round); a
 round runs `sync_interval` epochs of `train_epoch` and then syncs; `average`, `weighted` and
@@ -85,6 +85,8 @@ class DataParallelTrainer:
         self.num_workers, self.sync_interval, self.sync_strategy = num_workers, sync_interval, sync_strategy
         self.broker, self.seed, self.strategy_kwargs = broker, seed, strategy_kwargs
         self.worker_weights: dict[int, float] = {}
+        self.workers: list[Any] = []  # after train(): the trained workers (see `_trained_workers`)
+        self.num_epochs = 0
         self.result: fedmq.Result | None = None
         self._runner: fedmq.Runner | None = None
 
@@ -99,7 +101,8 @@ class DataParallelTrainer:
     def on_epoch_end(self, epoch: int, result: dict[str, Any], **kwargs: Any) -> None: ...
 
     def on_train_end(self, history: list[dict[str, Any]], **kwargs: Any) -> Any:
-        return history
+        """What `train()` returns: by default seed 002's {"history", "workers", "num_epochs"}."""
+        return {"history": history, "workers": self.workers, "num_epochs": self.num_epochs}
 
     # -- the trainer's API --------------------------------------------------------------------
 
@@ -142,7 +145,26 @@ class DataParallelTrainer:
             self.result = fedmq.run(job, broker=self.broker, callbacks=[Hooks()])
         if not self.result.ok:
             raise RuntimeError(f"training {self.result.status}: {self.result.reason}")
+        self.workers, self.num_epochs = self._trained_workers(self.result, kwargs), epochs
         return self.on_train_end(history, **kwargs)
+
+    def _trained_workers(self, result: fedmq.Result, kwargs: dict[str, Any]) -> list[Any]:
+        """Each worker as training left it, where training ran in this process: built again, given
+        its kept state (modules, optimizers, generators: `worker_state`) and the final synced
+        weights. None over a broker: the workers lived on the learners, their state is on the
+        aggregator's disk, and their data may be nowhere here (`result.weights()` has the model)."""
+        if self.broker is not None:
+            return []
+        weights = [tensor for _, tensor in sorted(result.weights("final").items(), key=_index)]
+        workers = []
+        for worker_id in range(self.num_workers):
+            worker = self.create_worker(worker_id, **kwargs)
+            if hasattr(worker, "load_data_shard"):
+                worker.load_data_shard(worker_id, self.num_workers, **kwargs)
+            load_worker_state(worker, result.client_state(worker_id))
+            worker.set_weights([w.clone() for w in weights])
+            workers.append(worker)
+        return workers
 
     def job(self, epochs: int, **kwargs: Any) -> fedmq.Job:
         """The fedmq job `train(epochs, **kwargs)` runs."""
@@ -358,6 +380,11 @@ def _check_weights(new: list[Any], first: list[torch.Tensor]) -> None:
         if not isinstance(value, torch.Tensor) or value.shape != was.shape:
             what = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"get_weights()[{i}] is {what}, the first sync's is {list(was.shape)}")
+
+
+def _index(item: tuple[str, torch.Tensor]) -> int:
+    """A WeightsModule's tensor name ("weights.<i>") to its place in the worker's list."""
+    return int(item[0].rpartition(".")[2])
 
 
 def _first_epoch(server_round: int, sync_interval: int) -> int:

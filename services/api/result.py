@@ -68,6 +68,7 @@ class Result:
     best: Mapping[str, Any] | None
     model_path: str | None
     _fetch: Fetch | None = field(default=None, repr=False)
+    _client_state: Callable[[int], Mapping[str, torch.Tensor]] | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -100,6 +101,16 @@ class Result:
         if self._fetch is None:
             raise RuntimeError("this result cannot fetch models (it was built without a connection)")
         return self._fetch(digest)
+
+    def client_state(self, client: int) -> dict[str, Any]:
+        """What `ctx.state` held after `client` last trained (a Task with `keeps_state`, or
+        train.keep_optimizer_state); {} if it kept none. Where the job ran here (`fedmq run`, the
+        API without a broker): over a broker the aggregator keeps it on its own disk."""
+        from fedmq.common.task.state import state_of
+
+        if self._client_state is None:
+            raise RuntimeError("a job run over a broker keeps its clients' state on the aggregator's disk")
+        return state_of(self._client_state(client))
 
     def model(self, which: str | int = "final") -> nn.Module:
         """The job's model with the weights of `which` (see `weights`), in eval mode."""

@@ -179,6 +179,7 @@ class Runner:
             job_id=job_id, spec=spec, status=str(final.get("status", "unknown")),
             reason=str(final.get("reason") or ""), history=[RoundRecord.of(h) for h in raw_history],
             best=final.get("best"), model_path=final.get("model_path"), _fetch=self._fetcher(job_id),
+            _client_state=self._client_states(job_id),
         )
         for hook in hooks:
             hook.on_train_end(result)
@@ -205,6 +206,7 @@ class Runner:
             job_id=job_id, spec=spec, status=str(done.get("status", "unknown")),
             reason=str(done.get("reason") or ""), history=[RoundRecord.of(h) for h in done["history"]],
             best=done.get("best"), model_path=done.get("model_path"), _fetch=self._fetcher(job_id),
+            _client_state=self._client_states(job_id),
         )
         for hook in hooks:
             hook.on_train_end(result)
@@ -284,6 +286,22 @@ class Runner:
         if job["status"] == "running":
             return {}
         return {k: job.get(k) for k in ("status", "reason", "model_path", "best") if job.get(k) is not None}
+
+    def _client_states(self, job_id: str) -> Any:
+        """How the Result reads a client's kept state: from the engine's or local aggregator's store;
+        None over a broker (the aggregator keeps it on its own disk)."""
+        if self.remote_mode:
+            return None
+        kept = Path(self.settings.state_dir) / ("aggregator" if self.services else "engine")
+
+        def read(client: int) -> Mapping[str, torch.Tensor]:
+            from fedmq.common.strategy.clients import ClientStore
+            from fedmq.services.aggregator.jobs import RESIDUALS
+            from fedmq.services.aggregator.store import JobStore
+
+            return ClientStore(JobStore(kept, job_id).root / RESIDUALS).read(client, before=1 << 62)
+
+        return read
 
     def _fetcher(self, job_id: str) -> Any:
         """How the Result gets a round's weights: the aggregator's file here, else over the broker."""

@@ -53,8 +53,9 @@ def test_a_worker_weight_set_in_on_train_start_takes_effect(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trainer: type[Trainer], synced: float
 ) -> None:
     monkeypatch.chdir(tmp_path)  # fedmq.run keeps its state in ./.fedmq
-    history = trainer(num_workers=2, sync_strategy="weighted").train(epochs=1)
-    assert history[-1]["a"] == synced  # workers 0 and 1 weighted 1 and 1 (or 3): the mean of their ids
+    out = trainer(num_workers=2, sync_strategy="weighted").train(epochs=1)
+    assert set(out) == {"history", "workers", "num_epochs"} and out["num_epochs"] == 1
+    assert out["history"][-1]["a"] == synced  # workers 0 and 1 weighted 1 and 1 (or 3): the mean of their ids
 
 
 def test_an_argument_that_cannot_travel_is_refused_at_construction_in_one_line() -> None:
@@ -85,7 +86,7 @@ class Worker:
 class Unguarded(DataParallelTrainer):
     def create_worker(self, worker_id, **kwargs): return Worker(worker_id)
 
-print(Unguarded(num_workers=2).train(epochs=2)[-1]["epoch"])  # no `if __name__ == "__main__":`
+print(Unguarded(num_workers=2).train(epochs=2)["history"][-1]["epoch"])  # no `if __name__ == "__main__":`
 '''
 
 
@@ -140,7 +141,7 @@ def test_a_worker_keeps_its_buffers_momentum_and_generator_between_syncs_as_a_li
 ) -> None:
     monkeypatch.chdir(tmp_path)
     trainer = NormTrainer(num_workers=2)
-    trainer.train(epochs=4)
+    trained = trainer.train(epochs=4)["workers"]
     assert trainer.result is not None
     synced = list(trainer.result.weights().values())
     living = [NormWorker(0), NormWorker(1)]  # seed 002's actors: built once, alive through train()
@@ -152,3 +153,13 @@ def test_a_worker_keeps_its_buffers_momentum_and_generator_between_syncs_as_a_li
         weights = [torch.stack(ws).mean(0) for ws in zip(*(w.get_weights() for w in living), strict=True)]
     gap = max(float((a - b).abs().max()) for a, b in zip(synced, weights, strict=True))
     assert gap < 1e-5, f"fedmq's workers are {gap:.2e} from living ones"
+    # train() gives the workers back as training left them: the synced weights, each worker's own
+    # BatchNorm statistics, momentum and generator (what evaluating through worker 0 needs).
+    for mine, alive in zip(trained, living, strict=True):
+        alive.set_weights(weights)
+        ours, theirs = mine.model.state_dict(), alive.model.state_dict()
+        assert max(float((ours[k].double() - theirs[k].double()).abs().max()) for k in ours) < 1e-5
+        assert torch.equal(mine.shuffle.get_state(), alive.shuffle.get_state())
+        bufs = [mine.opt.state[p]["momentum_buffer"] for p in mine.model.parameters()]
+        want = [alive.opt.state[p]["momentum_buffer"] for p in alive.model.parameters()]
+        assert max(float((a - b).abs().max()) for a, b in zip(bufs, want, strict=True)) < 1e-5
