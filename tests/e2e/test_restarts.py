@@ -41,7 +41,7 @@ def digits_keeping_optimizer_state(text: str) -> str:
     "variant", [lambda text: text, digits_with_a_users_strategy, digits_keeping_optimizer_state],
     ids=["fedavg", "user-strategy", "optimizer-state-kept"],
 )
-def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(
+def test_a_job_survives_sigkill_of_the_aggregator_a_learner_and_the_scheduler(
     tmp_path: Path, variant: Callable[[str], str]
 ) -> None:
     spec = tmp_path / "job.yaml"
@@ -54,6 +54,10 @@ def test_a_job_survives_sigkill_of_the_aggregator_and_the_scheduler(
         assert c.wait_for(lambda: c.job_round(job_id) >= 3, timeout=120)
         c.stop("aggregator", signal.SIGKILL)
         c.start("aggregator")  # same state directory: it must pick the job up
+
+        assert c.wait_for(lambda: c.job_round(job_id) >= 5, timeout=120)
+        c.stop("learner-0", signal.SIGKILL)  # its tasks go to the other; it keeps no client state
+        c.start("learner", "learner-0", FEDMQ_REPLICA="0")
 
         assert c.wait_for(lambda: c.job_round(job_id) >= 7, timeout=120)
         c.stop("scheduler", signal.SIGKILL)
