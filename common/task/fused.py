@@ -172,6 +172,11 @@ class _Trainer:
         self.device = device
         self.count = len(ctxs)
         self.names = [name for name, _ in model.named_parameters()]
+        # Tied parameters (one under two names): named_parameters gives the first name, state_dict
+        # both; the outcome names the other one too (functional_call keeps them tied meanwhile).
+        first = {id(p): name for name, p in model.named_parameters()}
+        self.aliases = {name: first[id(t)] for name, t in model.state_dict(keep_vars=True).items()
+                        if id(t) in first and first[id(t)] != name}
         start = {name: p.detach().to(device) for name, p in model.named_parameters()}
         self.rows = {name: w.unsqueeze(0).repeat(self.count, *([1] * w.dim())) for name, w in start.items()}
         # Buffers (BatchNorm's running statistics, its batch count) stacked like the parameters: the
@@ -579,6 +584,7 @@ class _Trainer:
         # Views of the group's rows, which nothing changes once the group has trained (a copy each
         # took 0.2 ms of a 10-client round): they share its storage until the round lets them go.
         weights = {n: self.rows[n][i].detach() for n in self.names}
+        weights |= {alias: weights[name] for alias, name in self.aliases.items()}
         weights |= {n: b[i] for n, b in self.buffers.items()}
         seen = self.seen[i]
         metrics = {name: total / seen for name, total in totals.items()} if seen else {}

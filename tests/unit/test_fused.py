@@ -213,6 +213,28 @@ def test_only_a_batchnorm_with_torchs_own_forward_fuses_its_buffers(norm: type[n
         assert why is not None and norm.__name__ in why and "keeps buffers" in why
 
 
+class Tied(Mlp):
+    def build_model(self) -> nn.Module:
+        model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
+        model[2].weight = model[0].weight  # one parameter under two names
+        return model
+
+
+def test_tied_parameters_fuse_and_stay_tied_under_both_names() -> None:
+    task, data = Tied(), clients()
+    model = model_for(task)
+    fused = train_fused(task, model, data, contexts(model, len(data), SETTINGS["sgd"]))
+    assert fused is not None
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    for i, (ctx, batch) in enumerate(zip(contexts(model, len(data), SETTINGS["sgd"]), data, strict=True)):
+        one = model_for(task)
+        one.load_state_dict(start)
+        train_with_loss(task, one, batch, ctx)
+        for n, t in one.state_dict().items():
+            assert float((fused[i].weights[n] - t).abs().max()) < TOLERANCE, (i, n)
+        assert torch.equal(fused[i].weights["0.weight"], fused[i].weights["2.weight"])
+
+
 def test_the_group_shrinks_with_the_memory_budget() -> None:
     model = model_for(Mlp())
     weights = sum(p.numel() * 4 for p in model.parameters())
