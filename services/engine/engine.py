@@ -45,7 +45,7 @@ from fedmq.common.settings import Settings
 from fedmq.common.strategy.clients import ClientStore
 from fedmq.common.usercode import UserCodeError
 from fedmq.services.aggregator.jobs import CLIENTS, RESIDUALS, AggJob, new_job, restore_job
-from fedmq.services.aggregator.limits import check_model, retained
+from fedmq.services.aggregator.limits import DiskQuota, OverLimit, check_model, model_bytes, retained
 from fedmq.services.aggregator.rounds import (
     client_result,
     clip_norm,
@@ -162,14 +162,14 @@ class Engine:
             self._resume() if resume else self._start()
             while self.progress.round < self.spec.rounds and not self.stop_requested:
                 self._round(self.progress.round + 1)
+            if self.progress.round < self.spec.rounds and self._checkpointed != self.progress.round:
+                self.checkpoint()  # stopped: a checkpoint of the last round, if not yet
         except JobStopped as exc:
             final = {"status": "failed", "reason": exc.reason, **({"error": exc.error} if exc.error else {})}
             self.journal.finish(self.progress, final)
             self._event("failed", round=self._current, data=final)
             return final
-        if self.progress.round < self.spec.rounds:  # stopped: a checkpoint of the last round, if not yet
-            if self._checkpointed != self.progress.round:
-                self.checkpoint()
+        if self.progress.round < self.spec.rounds:
             return {"status": "stopped", "round": self.progress.round}
         last = self.progress.history[-1]
         final = {"status": "completed", "reason": "", "model_path": last.get("model_path"),
@@ -462,8 +462,16 @@ class Engine:
     # -- checkpoints -----------------------------------------------------------------
 
     def checkpoint(self) -> None:
-        """The last completed round's weights, strategy and client state, then the journal (the commit)."""
+        """The last completed round's weights, strategy and client state, then the journal (the commit).
+        A checkpoint that would take the job's folder over FEDMQ_JOB_DISK_BYTES fails the job, as
+        the aggregator fails it (the folder is measured each time: client state counts from then)."""
         job, progress = self.job, self.progress
+        models = 1 + (self._best_weights is not None and progress.best is not None)
+        try:
+            DiskQuota(job.store.root, self.settings.job_disk_bytes).need(
+                models * model_bytes(job.weights), f"round {progress.round}'s checkpoint")
+        except OverLimit as exc:
+            raise JobStopped(f"engine: {exc}") from None
         key = job.store.write_checkpoint(progress.round, job.weights, self._state)
         job.store.commit_round(progress.round, key)
         job.checkpoint = key

@@ -19,6 +19,7 @@ from fedmq.common.checkpoint import load_state
 from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import JobEvent
 from fedmq.common.settings import Settings
+from fedmq.common.task.runtime import TaskRuntime
 from fedmq.services.cli.embedded import run_job as on_services
 from fedmq.services.engine.engine import Engine
 from fedmq.services.engine.run import run_job
@@ -245,3 +246,16 @@ def test_kept_optimizer_state_changes_the_run(tmp_path: Path) -> None:
     afresh = run_job(small_job(**changes), Settings(state_dir=tmp_path / "a"))
     assert digests(kept)[:2] == digests(afresh)[:2], "round 1 trains every client afresh either way"
     assert digests(kept)[2:] != digests(afresh)[2:]
+
+
+def test_a_checkpoint_over_the_jobs_disk_quota_fails_the_job_saying_so(tmp_path: Path) -> None:
+    spec = small_job(rounds=4)
+    weights = TaskRuntime.for_job(spec).build_model().state_dict()
+    model = sum(t.numel() * t.element_size() for t in weights.values())
+    # Room for the first checkpoints, not for all of them: the job fails at a later one.
+    result = run_job(spec, Settings(state_dir=tmp_path, checkpoint_every=1, job_disk_bytes=3 * model))
+    assert result["status"] == "failed"
+    assert "checkpoint" in result["reason"] and "FEDMQ_JOB_DISK_BYTES" in result["reason"], result["reason"]
+    assert 0 < len(result["history"]) < spec.rounds + 1, "it ran until the quota stopped it"
+    fits = run_job(spec, Settings(state_dir=tmp_path / "roomy", checkpoint_every=1, job_disk_bytes=1 << 30))
+    assert fits["status"] == "completed"
