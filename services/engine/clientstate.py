@@ -60,6 +60,13 @@ class MemoryClientStore(ClientStore):
         self._held.clear()
         self.disk.drop()
 
+    def version(self, client: int | str, server_round: int) -> dict[str, torch.Tensor]:
+        """The state held for `client` (or SHARED) at round `server_round` exactly; KeyError if none."""
+        return _copied(self._held[client][server_round])
+
+    def remove(self, client: int | str, server_round: int) -> None:
+        self._held.get(client, {}).pop(server_round, None)
+
     def _newest(self, client: int | str, before: int) -> dict[str, torch.Tensor]:
         versions = self._held.get(client, {})
         rounds = [r for r in versions if r < before]

@@ -42,6 +42,13 @@ def test_memory_and_disk_stores_answer_alike_through_rounds_of_writes_discards_a
             assert memory.versions(client) == disk.versions(client)
         assert memory.clients() == disk.clients()
         assert memory.versions(SHARED) == disk.versions(SHARED)
+        for client in range(6):
+            for r in disk.versions(client):
+                assert same(memory.version(client, r), disk.version(client, r))
+    for store in (disk, memory):  # removing one version, in memory as on disk
+        store.remove(written[0], store.versions(written[0])[-1])
+    assert memory.versions(written[0]) == disk.versions(written[0])
+    assert not any((tmp_path / "flushed").rglob("*.safetensors")), "memory's remove touched no disk"
 
 
 def test_a_read_state_is_a_copy_a_task_may_change(tmp_path: Path) -> None:
