@@ -160,7 +160,8 @@ class Settings(BaseSettings):
     )
     job_disk_bytes: int = Field(
         20 * 1024 * MiB, ge=1, description="disk one job's aggregator state may use (updates, checkpoints, "
-        "client state); a write beyond fails the job",
+        "client state); a write beyond fails the job (the engine's job folder too, checked at each "
+        "checkpoint)",
     )
     keep_checkpoints: int = Field(
         0, ge=0, description="global checkpoints the aggregator keeps per job: the last N rounds' and the "
