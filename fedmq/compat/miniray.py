@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 import fedmq
+from fedmq.common.codec.pack import packb, unpackb
 from fedmq.common.errors import ConfigError
 from fedmq.common.task.loading import import_ref, ref_of
 
@@ -302,17 +303,15 @@ class WorkerTask(fedmq.Task):
 
 def worker_state(worker: Any) -> dict[str, torch.Tensor]:
     """What a living worker keeps, as client-state tensors: each `nn.Module` attribute's state_dict
-    (parameters and buffers: BatchNorm's statistics), each optimizer's state_dict (its moments;
-    its other values as JSON in a byte tensor) and each `torch.Generator`'s state."""
+    (parameters and buffers: BatchNorm's statistics), each optimizer's state_dict (packed as fedmq's
+    messages are, msgpack with tensors, in a byte tensor: no pickle) and each generator's state."""
     out: dict[str, torch.Tensor] = {}
     for name, value in vars(worker).items():
         if isinstance(value, nn.Module):
             out |= {f"{name}.module.{k}": v.detach().clone() for k, v in value.state_dict().items()}
         elif isinstance(value, torch.optim.Optimizer):
-            tensors: list[torch.Tensor] = []
-            tree = _packed(value.state_dict(), tensors)
-            out[f"{name}.optimizer"] = torch.tensor(list(json.dumps(tree).encode()), dtype=torch.uint8)
-            out |= {f"{name}.optimizer_{i}": t.detach().clone() for i, t in enumerate(tensors)}
+            packed = bytearray(packb(value.state_dict()))
+            out[f"{name}.optimizer"] = torch.frombuffer(packed, dtype=torch.uint8)
         elif isinstance(value, torch.Generator):
             out[f"{name}.generator"] = value.get_state()
     return out
@@ -327,36 +326,21 @@ def load_worker_state(worker: Any, state: Mapping[str, Any]) -> None:
             if own:
                 value.load_state_dict(own)
         elif isinstance(value, torch.optim.Optimizer) and f"{name}.optimizer" in state:
-            tree = json.loads(bytes(state[f"{name}.optimizer"].tolist()).decode())
-            value.load_state_dict(_unpacked(tree, lambda i, n=name: state[f"{n}.optimizer_{i}"]))
+            packed = unpackb(state[f"{name}.optimizer"].numpy().tobytes())
+            value.load_state_dict(_owned(packed))
         elif isinstance(value, torch.Generator) and f"{name}.generator" in state:
             value.set_state(state[f"{name}.generator"])
 
 
-def _packed(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    """A state_dict's tree as JSON, each tensor replaced by its index in `tensors` (no pickle)."""
+def _owned(tree: Any) -> Any:
+    """An unpacked tree with each tensor copied out of the message's bytes (the optimizer writes them)."""
     if isinstance(tree, torch.Tensor):
-        tensors.append(tree)
-        return {"t": len(tensors) - 1}
+        return tree.clone()
     if isinstance(tree, dict):
-        return {"d": [[key, _packed(value, tensors)] for key, value in tree.items()]}  # int keys stay ints
-    if isinstance(tree, list | tuple):
-        return {"l" if isinstance(tree, list) else "u": [_packed(value, tensors) for value in tree]}
-    if tree is None or isinstance(tree, bool | int | float | str):
-        return {"v": tree}
-    raise TypeError(f"an optimizer's state holds a {type(tree).__name__}, which fedmq cannot keep")
-
-
-def _unpacked(tree: Any, tensor: Any) -> Any:
-    kind, value = next(iter(tree.items()))
-    if kind == "t":
-        return tensor(value)
-    if kind == "d":
-        return {key: _unpacked(item, tensor) for key, item in value}
-    if kind in ("l", "u"):
-        items = [_unpacked(item, tensor) for item in value]
-        return items if kind == "l" else tuple(items)
-    return value
+        return {key: _owned(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_owned(value) for value in tree]
+    return tree
 
 
 _building = threading.local()  # .trainer: the trainer ref WorkerTask is importing in this thread
