@@ -326,7 +326,8 @@ class Work:
         try:  # the client's state for its next round rides with the update (common/task/state.py)
             check_no_prefix(result.extras, "TrainResult.extras")
             entries = state_entries(ctx.state) if keeps_state(job.spec, job.runtime.task) else {}
-            check_state_entries(entries, state_limit(state))  # the aggregator's own check, named here
+            if entries:  # the aggregator's own check, named here
+                check_state_entries(entries, state_limit(state))
         except (TypeError, ValueError) as exc:
             raise UserCodeError("train" if has_train(job.runtime.task) else "loss", type(exc).__name__,
                                 str(exc), round=task.round, client=task.client) from None
