@@ -55,6 +55,7 @@ from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
 from fedmq.common.task.dpsgd import draw_noise, epsilon_spent, noise_generator, private_gradient, refuse_model
 from fedmq.common.task.functional import LossCall, loss_with_aux, unsqueeze
 from fedmq.common.task.optimizers import ADAM_BETAS, ADAM_EPS
+from fedmq.common.task.traced import replayed
 
 if TYPE_CHECKING:
     from fedmq.common.task.contract import Task
@@ -414,16 +415,15 @@ class _Trainer:
         index = prepared.index
         whole = len(group) == self.count
         params = {n: (r if whole else r.index_select(0, index)) for n, r in self.rows.items()}
-        leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
         buffers = {n: (b if whole else b.index_select(0, index)) for n, b in self.buffers.items()}
         batches, mask = self._batches(group, prepared)
         try:
             if self.dp is not None:
                 grads, aux = self._private(params, group, batches, mask)
             elif len(group) == 1:
-                grads, aux = self._gradients_alone(leaves, batches, mask, buffers)
+                grads, aux = self._gradients_alone(params, batches, mask, buffers)
             else:
-                grads, aux = self._gradients(leaves, batches, mask, buffers)
+                grads, aux = self._gradients(params, batches, mask, buffers)
         except BatchOfOne as err:  # each of the step's clients fails as it would alone; the rest go on
             for i, _, _ in group:
                 self.failures.setdefault(i, err)
@@ -452,19 +452,28 @@ class _Trainer:
             self.steps[i] += 1
 
     def _gradients(
-        self, leaves: dict[str, torch.Tensor], batches: Any, mask: torch.Tensor | None,
+        self, rows: dict[str, torch.Tensor], batches: Any, mask: torch.Tensor | None,
         buffers: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Each client's gradient of its batch's loss, by autograd through the vmapped forward (which
-        updates `buffers`, the group's rows of them, in place)."""
+        updates `buffers`, the group's rows of them, in place), replayed once its layout has been
+        seen (traced.py)."""
+        found, aux = replayed(self.call.model, "gradients", self._autograd, rows, batches, mask, buffers)
+        return dict(zip(rows, found, strict=True)), aux
+
+    def _autograd(
+        self, rows: dict[str, torch.Tensor], batches: Any, mask: torch.Tensor | None,
+        buffers: dict[str, torch.Tensor],
+    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         with torch.enable_grad():
+            params = {n: row.detach().requires_grad_(True) for n, row in rows.items()}
             if mask is not None:  # never with buffers (`masked`)
-                losses, aux = self.masked_losses(leaves, batches, mask)
+                losses, aux = self.masked_losses(params, batches, mask)
             else:
-                losses, aux = self.losses(leaves | buffers, batches)
-            found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
-        grads = {n: torch.zeros_like(leaves[n]) if g is None else g  # unused by the loss: no gradient
-                 for n, g in zip(leaves, found, strict=True)}
+                losses, aux = self.losses(params | buffers, batches)
+            found = torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
+        grads = [torch.zeros_like(params[n]) if g is None else g  # unused by the loss: no gradient
+                 for n, g in zip(params, found, strict=True)]
         return grads, aux
 
     def _gradients_alone(
@@ -474,7 +483,7 @@ class _Trainer:
         """One client's step, computed as a group of two (itself twice), row 0 kept: a batched
         product over one matrix takes another kernel than over several (measured: the last bits of
         a small regressor's weights moved), and a client's bits must not depend on its company."""
-        twice = {n: _twice(leaf).detach().requires_grad_(True) for n, leaf in leaves.items()}
+        twice = {n: _twice(leaf) for n, leaf in leaves.items()}
         doubled = {n: _twice(b) for n, b in buffers.items()}
         grads, aux = self._gradients(twice, _twice(batches), None if mask is None else _twice(mask), doubled)
         for n, b in buffers.items():
@@ -492,9 +501,11 @@ class _Trainer:
             draw_noise(self.noise[i], self.numel, self.dp, self.device, dtype) for i, _, _ in group
         ])
         rows = {n: p.detach() for n, p in params.items()}
+        what = ("dp-sgd", self.dp.clip_norm, self.settings.batch_size)  # the Python values it reads
         if len(group) > 1:
-            return self.private_rows(rows, batches, mask.to(dtype), noise)
-        grads, aux = self.private_rows(_twice(rows), _twice(batches), _twice(mask.to(dtype)), _twice(noise))
+            return replayed(self.call.model, what, self.private_rows, rows, batches, mask.to(dtype), noise)
+        grads, aux = replayed(self.call.model, what, self.private_rows, _twice(rows), _twice(batches),
+                              _twice(mask.to(dtype)), _twice(noise))
         return {n: g[:1] for n, g in grads.items()}, {n: a[:1] for n, a in aux.items()}
 
     def _batch(self, client: int, item: Any) -> Any:

@@ -1,0 +1,108 @@
+"""Recorded fused steps (common/task/traced.py): replays give an eager step's bits, and when."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fedmq.common.task import traced
+from fedmq.common.task.contract import DpSgd, TrainSettings
+from fedmq.common.task.fused import train_fused
+from tests.unit.test_fused import NORM_SIZES, SETTINGS, SIZES, Mlp, Tied, clients, contexts, model_for
+
+
+def rounds_of(
+    task: Mlp, settings: TrainSettings, sizes: list[int], rounds: int
+) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Every client's weights (and buffers) after each of `rounds` fused rounds from the same start
+    (a fresh model), and how many layouts were recorded."""
+    model, out = model_for(task), []
+    for _ in range(rounds):
+        ctxs = [dataclasses.replace(ctx, private_seed=7_000 + ctx.client)
+                for ctx in contexts(model, len(sizes), settings)]  # DP-SGD's secret seeds (else unused)
+        fused = train_fused(task, model, clients(sizes), ctxs)
+        assert fused is not None
+        out += [one.weights for one in fused]
+    return out, traced._BY_MODEL[model].graphs if model in traced._BY_MODEL else 0
+
+
+@pytest.mark.parametrize("case", ["sgd", "adam", "summed", "tied", "batchnorm", "dp-sgd"])
+def test_replayed_steps_train_to_the_bits_of_eager_ones(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    task = Tied() if case == "tied" else Mlp(summed=case == "summed", norm=case == "batchnorm")
+    settings = SETTINGS["adam" if case == "adam" else "sgd"]
+    if case == "dp-sgd":
+        settings = dataclasses.replace(settings, dp_sgd=DpSgd(clip_norm=0.5, noise_multiplier=0.8))
+    sizes = NORM_SIZES if case == "batchnorm" else SIZES
+    with monkeypatch.context() as eager:
+        eager.setattr(traced, "RECORD_AT", 10**9)
+        expected, none = rounds_of(task, settings, sizes, 3)
+    monkeypatch.setattr(traced, "RECORD_AT", 2)
+    got, recorded = rounds_of(task, settings, sizes, 3)
+    assert none == 0 and recorded > 0
+    assert len(got) == len(expected)
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[n], theirs[n]) for n in mine)
+
+
+def test_a_fused_round_replays_once_its_layouts_came_before() -> None:
+    task = Mlp()  # two epochs of batches of 8: some layouts come eight times in three rounds
+    model = model_for(task)
+    for _ in range(3):
+        train_fused(task, model, clients(), contexts(model, len(clients()), SETTINGS["sgd"]))
+    recordings = traced._BY_MODEL[model]
+    assert recordings.graphs > 0
+    assert any(callable(entry) for entry in recordings.entries.values())
+
+
+class Counted:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        self.calls += 1
+        return {"sum": x @ y + 1, "tanh": torch.tanh(x).sum(0)}
+
+
+def test_a_layout_is_recorded_at_its_second_sighting_and_replayed_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(traced, "RECORD_AT", 2)
+    owner, fn = nn.Linear(1, 1), Counted()
+    x, y = torch.randn(4, 3), torch.randn(3, 2)
+    outs = [traced.replayed(owner, "f", fn, x, y) for _ in range(4)]
+    assert fn.calls == 2  # eager, then eager while recording; then replays
+    for out in outs[1:]:
+        assert all(torch.equal(out[k], outs[0][k]) for k in out)
+    traced.replayed(owner, "f", fn, torch.randn(5, 3), y)  # another shape: seen once, eager
+    traced.replayed(owner, "f", fn, x.t().contiguous().t(), y)  # other strides: another layout too
+    assert fn.calls == 4
+
+
+def test_a_function_that_fails_stays_eager_and_raises_each_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(traced, "RECORD_AT", 2)
+    owner = nn.Linear(1, 1)
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("no rule for this")
+
+    for _ in range(3):
+        with pytest.raises(ValueError, match="no rule"):
+            traced.replayed(owner, "f", broken, torch.ones(2))
+    assert list(traced._BY_MODEL[owner].entries.values()) == [None]
+
+
+def test_past_max_graphs_new_layouts_stay_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(traced, "MAX_GRAPHS", 1)
+    monkeypatch.setattr(traced, "RECORD_AT", 2)
+    owner, fn = nn.Linear(1, 1), Counted()
+    y = torch.randn(3, 2)
+    for rows in (4, 5):
+        for _ in range(3):
+            traced.replayed(owner, "f", fn, torch.randn(rows, 3), y)
+    assert traced._BY_MODEL[owner].graphs == 1
+    assert fn.calls == 2 + 3  # the first layout recorded, the second eager every time
