@@ -50,13 +50,13 @@ def test_replayed_steps_train_to_the_bits_of_eager_ones(case: str, monkeypatch: 
 
 
 def test_a_fused_round_replays_once_its_layouts_came_before() -> None:
-    task = Mlp()  # two epochs of batches of 8: some layouts come eight times in three rounds
+    task = Mlp()
     model = model_for(task)
     for _ in range(3):
         train_fused(task, model, clients(), contexts(model, len(clients()), SETTINGS["sgd"]))
     recordings = traced._BY_MODEL[model]
     assert recordings.graphs > 0
-    assert any(callable(entry) for entry in recordings.entries.values())
+    assert any(isinstance(entry, traced._Replay) and entry.checked for entry in recordings.entries.values())
 
 
 class Counted:
@@ -68,19 +68,46 @@ class Counted:
         return {"sum": x @ y + 1, "tanh": torch.tanh(x).sum(0)}
 
 
-def test_a_layout_is_recorded_at_its_second_sighting_and_replayed_after(
+def test_a_layout_is_recorded_at_its_second_sighting_checked_at_its_third_and_replayed_after(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(traced, "RECORD_AT", 2)
     owner, fn = nn.Linear(1, 1), Counted()
     x, y = torch.randn(4, 3), torch.randn(3, 2)
-    outs = [traced.replayed(owner, "f", fn, x, y) for _ in range(4)]
-    assert fn.calls == 2  # eager, then eager while recording; then replays
-    for out in outs[1:]:
-        assert all(torch.equal(out[k], outs[0][k]) for k in out)
+    outs = [traced.replayed(owner, "f", fn, x * k, y) for k in range(6)]
+    # eager; recorded (on copies) and eager; checked against eager; then three replays
+    assert fn.calls == 1 + 2 + 1
+    for k, out in enumerate(outs):
+        assert all(torch.equal(out[name], fn(x * k, y)[name]) for name in out)
+    fn.calls = 0
     traced.replayed(owner, "f", fn, torch.randn(5, 3), y)  # another shape: seen once, eager
     traced.replayed(owner, "f", fn, x.t().contiguous().t(), y)  # other strides: another layout too
-    assert fn.calls == 4
+    assert fn.calls == 2
+
+
+class Stale:
+    """Reads a Python number into a tensor of its own: a recording bakes the first one in."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + torch.tensor(float(self.calls))
+
+
+def test_a_recording_that_bakes_in_a_changing_value_fails_its_check_and_stays_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(traced, "RECORD_AT", 2)
+    owner, fn = nn.Linear(1, 1), Stale()
+    x = torch.zeros(3)
+    got = [float(traced.replayed(owner, "f", fn, x)[0]) for _ in range(5)]
+    # eager (call 1); recorded (2) and eager (3); checked: eager on copies (4) differs from the
+    # replay's baked-in 2, so eager's answer; eager from then on
+    assert got == [1.0, 3.0, 4.0, 5.0, 6.0]
+    assert list(traced._BY_MODEL[owner].entries.values()) == [None]
+    assert traced._BY_MODEL[owner].graphs == 0
 
 
 def test_a_function_that_fails_stays_eager_and_raises_each_time(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,4 +132,4 @@ def test_past_max_graphs_new_layouts_stay_eager(monkeypatch: pytest.MonkeyPatch)
         for _ in range(3):
             traced.replayed(owner, "f", fn, torch.randn(rows, 3), y)
     assert traced._BY_MODEL[owner].graphs == 1
-    assert fn.calls == 2 + 3  # the first layout recorded, the second eager every time
+    assert fn.calls == 4 + 3  # the first layout recorded and checked, the second eager every time
