@@ -103,9 +103,10 @@ def _checked(recordings: _Recordings, key: Any, entry: _Replay, fn: Callable[...
         return got
     recordings.entries[key] = None
     recordings.graphs -= 1
-    for mine, theirs in zip(tree_flatten(args)[0], tree_flatten(copies)[0], strict=True):
-        if isinstance(mine, torch.Tensor):
-            mine.copy_(theirs)
+    with torch.no_grad():
+        for mine, theirs in zip(tree_flatten(args)[0], tree_flatten(copies)[0], strict=True):
+            if isinstance(mine, torch.Tensor):
+                mine.copy_(theirs)
     return expected
 
 
@@ -113,9 +114,17 @@ def _same(a: Any, b: Any) -> bool:
     flat_a, spec_a = tree_flatten(a)
     flat_b, spec_b = tree_flatten(b)
     return spec_a == spec_b and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+        _equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
         for x, y in zip(flat_a, flat_b, strict=True)
     )
+
+
+def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """The same values, NaN where the other has NaN (a diverged step replays as it ran)."""
+    if torch.equal(x, y):
+        return True
+    return (x.is_floating_point() and x.shape == y.shape and x.dtype == y.dtype
+            and bool(torch.allclose(x, y, rtol=0.0, atol=0.0, equal_nan=True)))
 
 
 def _copies(args: Any) -> Any:
@@ -123,7 +132,8 @@ def _copies(args: Any) -> Any:
 
 
 class _Unrecordable(Exception):
-    """An operation whose result is no tensor (a value read into Python): the layout stays eager."""
+    """An operation whose result is no tensor (a value read into Python), or that draws random
+    numbers (a replay would draw them twice where eager draws once): the layout stays eager."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -163,6 +173,8 @@ class _Recorder(TorchDispatchMode):
         reads: list[int] = []
         call = ", ".join([self.render(a, reads) for a in args]
                          + [f"{k}={self.render(v, reads)}" for k, v in kwargs.items()])
+        if torch.Tag.nondeterministic_seeded in func.tags:  # a replay would draw again: eager
+            raise _Unrecordable(f"{func} draws random numbers")
         out = func(*args, **kwargs)
         outs = list(out) if isinstance(out, tuple | list) else [out]
         writes = []
@@ -198,8 +210,9 @@ def _record(fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[..., Any]
     flat, _ = tree_flatten(copies)
     inputs = [t for t in flat if isinstance(t, torch.Tensor)]
     recorder = _Recorder(inputs)
+    gpus = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
     try:
-        with recorder:
+        with torch.random.fork_rng(devices=gpus), recorder:  # what it drew before it failed, undrawn
             out = fn(*copies)
         flat_out, out_spec = tree_flatten(out)
         results: list[int] = []
@@ -216,7 +229,8 @@ def _record(fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[..., Any]
 
     def run(*call_args: Any) -> Any:
         tensors = [t for t in tree_flatten(call_args)[0] if isinstance(t, torch.Tensor)]
-        return tree_unflatten(compiled(*tensors), out_spec)
+        with torch.no_grad():  # the recorded operations are autograd's own already
+            return tree_unflatten(compiled(*tensors), out_spec)
 
     return run
 

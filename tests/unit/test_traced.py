@@ -133,3 +133,20 @@ def test_past_max_graphs_new_layouts_stay_eager(monkeypatch: pytest.MonkeyPatch)
             traced.replayed(owner, "f", fn, torch.randn(rows, 3), y)
     assert traced._BY_MODEL[owner].graphs == 1
     assert fn.calls == 4 + 3  # the first layout recorded and checked, the second eager every time
+
+
+def test_a_function_that_draws_random_numbers_stays_eager_and_draws_as_eager_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(traced, "RECORD_AT", 2)
+    owner = nn.Linear(1, 1)
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand(3)
+
+    torch.manual_seed(11)
+    got = [traced.replayed(owner, "f", noisy, torch.zeros(3)) for _ in range(4)]
+    torch.manual_seed(11)
+    expected = [noisy(torch.zeros(3)) for _ in range(4)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert list(traced._BY_MODEL[owner].entries.values()) == [None]
