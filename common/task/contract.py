@@ -33,6 +33,11 @@ Rules that keep runs reproducible and safe:
 - A learner keeps what `load_data` returns and reuses it in later rounds (a bounded cache):
   keep no random state in it (a DataLoader's own generator); shuffle with `ctx.generator`.
 - Metrics are plain floats with names matching ``[A-Za-z_][A-Za-z0-9_.]*``.
+- `loss` is a function of the model's weights and the batch: trained together, a round's clients
+  take steps that fedmq records once and replays (common/task/traced.py). A number the loss reads
+  from the Task's own attributes (`self.scale`) is part of what a recording is kept for; anything
+  deeper that changes between calls (an attribute of an attribute) is not seen, so keep it fixed
+  or read it from the batch.
 """
 
 from __future__ import annotations

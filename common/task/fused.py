@@ -55,7 +55,7 @@ from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
 from fedmq.common.task.dpsgd import draw_noise, epsilon_spent, noise_generator, private_gradient, refuse_model
 from fedmq.common.task.functional import LossCall, loss_with_aux, unsqueeze
 from fedmq.common.task.optimizers import ADAM_BETAS, ADAM_EPS
-from fedmq.common.task.traced import replayed
+from fedmq.common.task.traced import numbers_of, replayed
 
 if TYPE_CHECKING:
     from fedmq.common.task.contract import Task
@@ -458,7 +458,8 @@ class _Trainer:
         """Each client's gradient of its batch's loss, by autograd through the vmapped forward (which
         updates `buffers`, the group's rows of them, in place), replayed once its layout has been
         seen (traced.py)."""
-        found, aux = replayed(self.call.model, "gradients", self._autograd, rows, batches, mask, buffers)
+        what = ("gradients", numbers_of(self.task))  # what the loss may read besides its inputs
+        found, aux = replayed(self.call.model, what, self._autograd, rows, batches, mask, buffers)
         return dict(zip(rows, found, strict=True)), aux
 
     def _autograd(
@@ -501,7 +502,7 @@ class _Trainer:
             draw_noise(self.noise[i], self.numel, self.dp, self.device, dtype) for i, _, _ in group
         ])
         rows = {n: p.detach() for n, p in params.items()}
-        what = ("dp-sgd", self.dp.clip_norm, self.settings.batch_size)  # the Python values it reads
+        what = ("dp-sgd", self.dp.clip_norm, self.settings.batch_size, numbers_of(self.task))
         if len(group) > 1:
             return replayed(self.call.model, what, self.private_rows, rows, batches, mask.to(dtype), noise)
         grads, aux = replayed(self.call.model, what, self.private_rows, _twice(rows), _twice(batches),

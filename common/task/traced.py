@@ -39,10 +39,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["MAX_GRAPHS", "RECORD_AT", "replayed"]
+__all__ = ["MAX_GRAPHS", "RECORD_AT", "numbers_of", "replayed"]
 
 RECORD_AT = 2  # the sighting of a layout that records it
 MAX_GRAPHS = 64  # recordings kept per model
+MAX_LAYOUTS = 4096  # layouts counted per model (past that, a new one runs eager uncounted)
 
 
 @dataclass
@@ -80,7 +81,7 @@ def replayed(model: torch.nn.Module, what: Hashable, fn: Callable[..., Any], *ar
         if entry.checked:
             return entry.run(*args)
         return _checked(recordings, key, entry, fn, args)
-    if entry is not None:
+    if entry is not None and (entry or len(recordings.entries) < MAX_LAYOUTS):
         if entry + 1 >= RECORD_AT and recordings.graphs < MAX_GRAPHS:
             run = _record(fn, args)
             entry = None if run is None else _Replay(run)
@@ -91,13 +92,26 @@ def replayed(model: torch.nn.Module, what: Hashable, fn: Callable[..., Any], *ar
     return fn(*args)
 
 
+def numbers_of(owner: Any) -> tuple[tuple[str, Any], ...]:
+    """`owner`'s own attributes that are Python numbers, strings, booleans or None, by name: for a
+    `what` of `replayed`, so that a loss reading `self.scale` gets another recording when it changes."""
+    found = getattr(owner, "__dict__", {})
+    return tuple(sorted((name, value) for name, value in found.items()
+                        if value is None or isinstance(value, bool | int | float | str)))
+
+
 def _checked(recordings: _Recordings, key: Any, entry: _Replay, fn: Callable[..., Any], args: Any) -> Any:
     """The first replay of a recording, against an eager run on copies of `args`: the replay's
     result if every output and every input it changed has the eager bits; else the eager result
     (and its changes to the inputs), and the layout stays eager."""
-    copies = _copies(args)
-    expected = fn(*copies)
-    got = entry.run(*args)
+    try:
+        copies = _copies(args)
+        expected = fn(*copies)
+        got = entry.run(*args)
+    except torch.OutOfMemoryError:  # the check holds the inputs twice: without room, eager only
+        recordings.entries[key] = None
+        recordings.graphs -= 1
+        return fn(*args)
     if _same((got, args), (expected, copies)):
         entry.checked = True
         return got
@@ -120,11 +134,17 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """The same values, NaN where the other has NaN (a diverged step replays as it ran)."""
-    if torch.equal(x, y):
-        return True
-    return (x.is_floating_point() and x.shape == y.shape and x.dtype == y.dtype
-            and bool(torch.allclose(x, y, rtol=0.0, atol=0.0, equal_nan=True)))
+    """The same bits: dtype, shape, strides and every value's bit pattern (−0.0 is not +0.0; a
+    NaN is equal to a NaN of the same payload: a diverged step replays as it ran)."""
+    if x.dtype != y.dtype or x.shape != y.shape or x.stride() != y.stride():
+        return False
+    if x.is_floating_point():
+        bits = _BITS[x.element_size()]
+        return torch.equal(x.view(bits), y.view(bits))
+    return torch.equal(x, y)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _copies(args: Any) -> Any:
@@ -144,7 +164,9 @@ class _Recorder(TorchDispatchMode):
         self.tensors: list[torch.Tensor] = list(inputs)  # kept alive: an id stays theirs
         self.where = {id(t): i for i, t in enumerate(inputs)}
         self.constants: dict[str, Any] = {}
-        self.lines: list[tuple[str, list[int], list[int], bool]] = []  # code, reads, writes, mutates
+        self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []  # each tensor constant as first seen
+        self.tensor_names: dict[int, str] = {}
+        self.lines: list[tuple[str, list[int], list[int], bool]] = []  # code, reads, writes, droppable
 
     def name(self, t: torch.Tensor, reads: list[int]) -> str:
         i = self.where.get(id(t))
@@ -156,9 +178,27 @@ class _Recorder(TorchDispatchMode):
     def constant(self, value: Any) -> str:
         if value is None or isinstance(value, bool | int | str):
             return repr(value)
+        if isinstance(value, torch.Tensor):  # shared by every replay: it must never change (`unchanged`)
+            if (known := self.tensor_names.get(id(value))) is not None:
+                return known
+            self.snapshots.append((value, value.clone()))
         name = f"c{len(self.constants)}"
         self.constants[name] = value
+        if isinstance(value, torch.Tensor):
+            self.tensor_names[id(value)] = name  # kept alive by `constants`: the id stays its own
         return name
+
+    def unchanged(self, returned: list[torch.Tensor]) -> None:
+        """Refuses a recording whose tensor constants changed (written in place: a replay would write
+        them again) or that returns one (a caller that changes it would change every replay's)."""
+        for value, first in self.snapshots:
+            if not _equal(value, first):
+                raise _Unrecordable("it changes a tensor of its own in place")
+        shared = {value.untyped_storage().data_ptr() for value, _ in self.snapshots if value.numel()}
+        for t in returned:
+            made = (i := self.where.get(id(t))) is not None and self.tensors[i] is t
+            if not made or (t.numel() and t.untyped_storage().data_ptr() in shared):
+                raise _Unrecordable("it returns a tensor of its own")
 
     def render(self, value: Any, reads: list[int]) -> str:
         if isinstance(value, torch.Tensor):
@@ -196,7 +236,11 @@ class _Recorder(TorchDispatchMode):
             code = f"{names}{',' if len(writes) == 1 else ''} = {op}({call})"
         else:
             code = f"{'_' if writes[0] < 0 else f'v{writes[0]}'} = {op}({call})"
-        self.lines.append((code, reads, [w for w in writes if w >= 0], bool(func._schema.is_mutable)))
+        # Dropped when unused: only a view or a pointwise operation that writes nothing (some that do
+        # write are not marked so: native_batch_norm updates its running statistics).
+        droppable = (not func._schema.is_mutable and (func.is_view or torch.Tag.pointwise in func.tags)
+                     and all(w >= 0 for w in writes))
+        self.lines.append((code, reads, [w for w in writes if w >= 0], droppable))
         return out
 
 
@@ -215,6 +259,7 @@ def _record(fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[..., Any]
         with torch.random.fork_rng(devices=gpus), recorder:  # what it drew before it failed, undrawn
             out = fn(*copies)
         flat_out, out_spec = tree_flatten(out)
+        recorder.unchanged([t for t in flat_out if isinstance(t, torch.Tensor)])
         results: list[int] = []
         returned = ", ".join(recorder.render(o, results) if isinstance(o, torch.Tensor)
                              else recorder.constant(o) for o in flat_out)
@@ -236,12 +281,12 @@ def _record(fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[..., Any]
 
 
 def _live(lines: list[tuple[str, list[int], list[int], bool]], results: set[int], inputs: int) -> list[str]:
-    """The lines whose outputs are used (or that change a tensor in place), each variable dropped
-    after its last use."""
+    """The lines whose outputs are used, and every line that is not a pure view or pointwise
+    operation, each variable dropped after its last use."""
     needed = set(results)
     kept = []
-    for code, reads, writes, mutates in reversed(lines):
-        if mutates or needed.intersection(writes):
+    for code, reads, writes, droppable in reversed(lines):
+        if not droppable or needed.intersection(writes):
             kept.append((code, reads, writes))
             needed.update(reads)
     kept.reverse()

@@ -19,20 +19,32 @@ def rounds_of(
     task: Mlp, settings: TrainSettings, sizes: list[int], rounds: int
 ) -> tuple[list[dict[str, torch.Tensor]], int]:
     """Every client's weights (and buffers) after each of `rounds` fused rounds from the same start
-    (a fresh model), and how many layouts were recorded."""
+    (a fresh model), and how many recorded layouts passed their check."""
     model, out = model_for(task), []
-    for _ in range(rounds):
+    for r in range(rounds):
+        if isinstance(task, Scaled):
+            task.scale = 1.0 + r  # a number the loss reads changes between rounds
         ctxs = [dataclasses.replace(ctx, private_seed=7_000 + ctx.client)
                 for ctx in contexts(model, len(sizes), settings)]  # DP-SGD's secret seeds (else unused)
         fused = train_fused(task, model, clients(sizes), ctxs)
         assert fused is not None
         out += [one.weights for one in fused]
-    return out, traced._BY_MODEL[model].graphs if model in traced._BY_MODEL else 0
+    entries = traced._BY_MODEL[model].entries.values() if model in traced._BY_MODEL else []
+    return out, sum(isinstance(entry, traced._Replay) and entry.checked for entry in entries)
 
 
-@pytest.mark.parametrize("case", ["sgd", "adam", "summed", "tied", "batchnorm", "dp-sgd"])
+class Scaled(Mlp):
+    scale = 1.0
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        loss, metrics = super().loss(model, batch)
+        return loss * self.scale, metrics
+
+
+@pytest.mark.parametrize("case", ["sgd", "adam", "summed", "tied", "batchnorm", "dp-sgd", "task-number"])
 def test_replayed_steps_train_to_the_bits_of_eager_ones(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    task = Tied() if case == "tied" else Mlp(summed=case == "summed", norm=case == "batchnorm")
+    task = (Tied() if case == "tied" else Scaled() if case == "task-number"
+            else Mlp(summed=case == "summed", norm=case == "batchnorm"))
     settings = SETTINGS["adam" if case == "adam" else "sgd"]
     if case == "dp-sgd":
         settings = dataclasses.replace(settings, dp_sgd=DpSgd(clip_norm=0.5, noise_multiplier=0.8))
@@ -149,4 +161,67 @@ def test_a_function_that_draws_random_numbers_stays_eager_and_draws_as_eager_doe
     torch.manual_seed(11)
     expected = [noisy(torch.zeros(3)) for _ in range(4)]
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert list(traced._BY_MODEL[owner].entries.values()) == [None]
+
+
+def test_a_function_that_changes_a_tensor_of_its_own_stays_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(traced, "RECORD_AT", 2)
+    owner, ceiling = nn.Linear(1, 1), torch.tensor([5.0, 5.0, 5.0])
+
+    def clamped(x: torch.Tensor) -> torch.Tensor:
+        ceiling.clamp_(max=x.max())  # written in place: a replay would write it again, from then on
+        return x + ceiling
+
+    inputs = [torch.full((3,), float(v)) for v in (4, 3, 6, 2, 7)]
+    got = [traced.replayed(owner, "f", clamped, x) for x in inputs]
+    ceiling.fill_(5.0)
+    expected = [clamped(x) for x in inputs]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert list(traced._BY_MODEL[owner].entries.values()) == [None]
+
+
+def test_a_function_that_returns_a_tensor_of_its_own_stays_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(traced, "RECORD_AT", 2)
+    owner, table = nn.Linear(1, 1), torch.zeros(3)
+
+    def lookup(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, table  # the caller may change what it gets
+
+    for _ in range(3):
+        traced.replayed(owner, "f", lookup, torch.ones(3))
+    assert list(traced._BY_MODEL[owner].entries.values()) == [None]
+
+
+def test_running_statistics_a_batch_norm_writes_are_never_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(traced, "RECORD_AT", 2)
+    owner = nn.Linear(1, 1)
+
+    def normed(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        nn.functional.batch_norm(x, mean, var, training=True)  # its output unused; its statistics not
+        return x * 2
+
+    mean, var = torch.zeros(4), torch.ones(4)
+    eager_mean, eager_var = mean.clone(), var.clone()
+    for step in range(5):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        traced.replayed(owner, "f", normed, x, mean, var)
+        normed(x, eager_mean, eager_var)
+    assert torch.equal(mean, eager_mean) and torch.equal(var, eager_var)
+    assert any(isinstance(e, traced._Replay) and e.checked for e in traced._BY_MODEL[owner].entries.values())
+
+
+def test_a_failed_check_leaves_the_inputs_as_eager_left_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(traced, "RECORD_AT", 2)
+    owner, fn = nn.Linear(1, 1), Stale()
+
+    def bumped(x: torch.Tensor) -> torch.Tensor:
+        x.add_(fn(torch.zeros(1)))  # in place, by a number the recording bakes in
+        return x.sum()
+
+    x = torch.zeros(1)
+    for _ in range(4):
+        traced.replayed(owner, "f", bumped, x)
+    # eager adds 1; recording (on a copy) takes call 2, eager adds 3; the check's eager run (on a
+    # copy) adds 4 where the replay added the baked-in 2: x takes the copy's; then eager adds 5
+    assert float(x) == 1 + 3 + 4 + 5
     assert list(traced._BY_MODEL[owner].entries.values()) == [None]
