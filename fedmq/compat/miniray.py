@@ -32,6 +32,9 @@ Keyword arguments of `train()` reach `create_worker` and `load_data_shard`, as i
 trainer's and `train()`'s arguments travel to the learners as JSON: anything else is refused at
 once, naming the argument. `on_train_start` runs before the job is built (a `set_worker_weight`
 there counts).
+`create_worker` may return `MyWorker.remote(...)` (a class under `@miniray.remote`), as seed 002's
+examples do. `BaseTrainer` (actors.py), with `remote` and `get`, runs a training loop of your own
+in this process.
 Hooks follow syncs, not single epochs: with `sync_interval` > 1, `on_epoch_start` gets the
 round's first epoch and `on_epoch_end` its last, with that epoch's numeric results averaged over
 the workers (earlier epochs of the round are not reported); the history has one entry per sync.
@@ -44,7 +47,7 @@ import math
 import threading
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 from torch import nn
@@ -53,12 +56,16 @@ import fedmq
 from fedmq.common.codec.pack import packb, unpackb
 from fedmq.common.errors import ConfigError
 from fedmq.common.task.loading import import_ref, ref_of
+from fedmq.compat.actors import Actor, BaseTrainer, Ref, get, remote, unwrap
+
+__all__ = ["Actor", "BaseTrainer", "DataParallelTrainer", "Ref", "get", "remote", "unwrap"]
 
 STRATEGIES = {"average": "average", "weighted": "weighted", "momentum": "moving_average"}
 
 
-class DataParallelTrainer:
-    """Subclass it and define `create_worker(worker_id, **kwargs)`; see the module docstring."""
+class DataParallelTrainer(BaseTrainer):
+    """Subclass it and define `create_worker(worker_id, **kwargs)`; see the module docstring. Its
+    epochs are fedmq's rounds: the workers' own `train_epoch` runs, not the trainer's."""
 
     _init: tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -83,27 +90,14 @@ class DataParallelTrainer:
     ) -> None:
         if sync_strategy not in STRATEGIES:
             raise ValueError(f"sync_strategy must be one of {', '.join(STRATEGIES)}, got {sync_strategy!r}")
-        self.num_workers, self.sync_interval, self.sync_strategy = num_workers, sync_interval, sync_strategy
+        super().__init__(num_workers)  # self.workers, after train(): the trained ones (`_trained_workers`)
+        self.sync_interval, self.sync_strategy = sync_interval, sync_strategy
         self.broker, self.seed, self.strategy_kwargs = broker, seed, strategy_kwargs
         self.worker_weights: dict[int, float] = {}
-        self.workers: list[Any] = []  # after train(): the trained workers (see `_trained_workers`)
-        self.num_epochs = 0
         self.result: fedmq.Result | None = None
         self._runner: fedmq.Runner | None = None
 
-    # -- what a subclass writes -------------------------------------------------------------
-
-    def create_worker(self, worker_id: int, **kwargs: Any) -> Any:
-        raise NotImplementedError("define create_worker(worker_id, **kwargs) returning your worker")
-
-    def on_train_start(self, **kwargs: Any) -> None: ...
-    def on_epoch_start(self, epoch: int, **kwargs: Any) -> None: ...
-
-    def on_epoch_end(self, epoch: int, result: dict[str, Any], **kwargs: Any) -> None: ...
-
-    def on_train_end(self, history: list[dict[str, Any]], **kwargs: Any) -> Any:
-        """What `train()` returns: by default seed 002's {"history", "workers", "num_epochs"}."""
-        return {"history": history, "workers": self.workers, "num_epochs": self.num_epochs}
+    # -- what a subclass writes: create_worker, and the hooks (BaseTrainer's) -----------------
 
     # -- the trainer's API --------------------------------------------------------------------
 
@@ -159,12 +153,13 @@ class DataParallelTrainer:
         weights = [tensor for _, tensor in sorted(result.weights("final").items(), key=_index)]
         workers = []
         for worker_id in range(self.num_workers):
-            worker = self.create_worker(worker_id, **kwargs)
+            built = self.create_worker(worker_id, **kwargs)  # as you built it: an Actor from .remote
+            worker = unwrap(built)
             if hasattr(worker, "load_data_shard"):
                 worker.load_data_shard(worker_id, self.num_workers, **kwargs)
             load_worker_state(worker, result.client_state(worker_id))
             worker.set_weights([w.clone() for w in weights])
-            workers.append(worker)
+            workers.append(built)
         return workers
 
     def job(self, epochs: int, **kwargs: Any) -> fedmq.Job:
@@ -207,7 +202,7 @@ class DataParallelTrainer:
             self._runner.close()
             self._runner = None
 
-    def __enter__(self) -> DataParallelTrainer:
+    def __enter__(self) -> Self:
         self._runner = fedmq.Runner(self.broker).__enter__()
         return self
 
@@ -262,7 +257,7 @@ class WorkerTask(fedmq.Task):
         self.kwargs, self.sync_interval, self.epochs = kwargs, sync_interval, epochs
 
     def build_model(self) -> nn.Module:
-        return WeightsModule(self.trainer.create_worker(0, **self.kwargs).get_weights())
+        return WeightsModule(unwrap(self.trainer.create_worker(0, **self.kwargs)).get_weights())
 
     def load_data(self, ctx: fedmq.DataContext) -> int:
         return ctx.client  # a worker loads its own shard when it is built, each round
@@ -292,7 +287,7 @@ class WorkerTask(fedmq.Task):
         return dict(self.trainer.evaluate(self._worker(0, model)))  # type: ignore[attr-defined]
 
     def _worker(self, worker_id: int, model: WeightsModule, state: Mapping[str, Any] | None = None) -> Any:
-        worker = self.trainer.create_worker(worker_id, **self.kwargs)
+        worker = unwrap(self.trainer.create_worker(worker_id, **self.kwargs))
         if hasattr(worker, "load_data_shard"):
             worker.load_data_shard(worker_id, self.trainer.num_workers, **self.kwargs)
         if state:
