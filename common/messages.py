@@ -233,6 +233,9 @@ class UpdatesAccepted(Message):
     updates: list[UpdateAccepted] = Field(min_length=1, max_length=100_000)
 
 
+CLIENT_METRICS_MAX = 64  # clients a round up to which RoundClosed carries each one's metrics
+
+
 class RoundClosed(Message):
     """Aggregator → scheduler: the round's new global model and its metrics by source.
 
@@ -250,6 +253,9 @@ class RoundClosed(Message):
     aggregate_seconds: float = 0.0
     model_path: str | None = None
     config: dict[str, bool | int | float | str] = {}  # the next round's (Strategy.configure), for its tasks
+    # Each client's own training metrics, for rounds of at most CLIENT_METRICS_MAX clients (seed 002's
+    # worker_results); {} for larger rounds, whose history would grow by a row of metrics a client.
+    client_metrics: dict[int, dict[str, float]] = {}
 
 
 class JobFailed(Message):

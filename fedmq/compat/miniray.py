@@ -36,8 +36,10 @@ there counts).
 examples do. `BaseTrainer` (actors.py), with `remote` and `get`, runs a training loop of your own
 in this process.
 Hooks follow syncs, not single epochs: with `sync_interval` > 1, `on_epoch_start` gets the
-round's first epoch and `on_epoch_end` its last, with that epoch's numeric results averaged over
-the workers (earlier epochs of the round are not reported); the history has one entry per sync.
+round's first epoch and `on_epoch_end` its last, with seed 002's `epoch`, `time` (the round's
+seconds), `synced`, `sync_version` (the syncs so far) and `worker_results` (each worker's numeric
+results of that epoch, by worker id), then that epoch's numeric results averaged over the workers
+(earlier epochs of the round are not reported); the history has one entry per sync.
 """
 
 from __future__ import annotations
@@ -125,13 +127,18 @@ class DataParallelTrainer(BaseTrainer):
             def on_round_end(self, round: int, record: fedmq.RoundRecord) -> None:
                 if round == 0:
                     return
-                result = {
+                epoch = min(_first_epoch(round + 1, trainer.sync_interval), epochs) - 1
+                result = {  # seed 002's fields, then the workers' averaged and the server's metrics
+                    "epoch": epoch,
+                    "time": record.seconds,
+                    "synced": True,
+                    "sync_version": round,
+                    "worker_results": [dict(record.client_metrics.get(worker, {}))
+                                       for worker in range(trainer.num_workers)],
                     **record.metrics.get("train", {}),
                     **record.metrics.get("server", {}),
-                    "synced": True,
                 }
-                epoch = min(_first_epoch(round + 1, trainer.sync_interval), epochs) - 1
-                history.append({"epoch": epoch, **result})
+                history.append(result)
                 trainer.on_epoch_end(epoch, result, **kwargs)
 
         if self._runner is not None:

@@ -25,7 +25,7 @@ import torch
 from fedmq.common.checkpoint import save_model
 from fedmq.common.codec.updates import RestoredWeights, Without, check_no_prefix, residual_entries
 from fedmq.common.jobspec import canonical_json
-from fedmq.common.messages import FailedClient, RoundClosed
+from fedmq.common.messages import CLIENT_METRICS_MAX, FailedClient, RoundClosed
 from fedmq.common.strategy.checks import check_config, check_finite, check_tensor_map
 from fedmq.common.strategy.clients import ClientStore
 from fedmq.common.strategy.contract import (
@@ -144,6 +144,8 @@ def closed_message(
         num_examples=sum(r.num_examples for r in results),
         metrics=metrics,
         aggregate_seconds=time.perf_counter() - started,
+        client_metrics=({r.client: dict(r.metrics) for r in results}
+                        if len(results) <= CLIENT_METRICS_MAX else {}),
     )
 
 

@@ -27,6 +27,8 @@ class RoundRecord:
     seconds: float = 0.0
     model_digest: str = ""
     sync: Mapping[str, float] = field(default_factory=dict)
+    # Each client's training metrics, for rounds of at most 64 clients (else empty)
+    client_metrics: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, raw: Mapping[str, Any]) -> RoundRecord:
@@ -35,6 +37,7 @@ class RoundRecord:
             failed=int(raw.get("failed", 0)), num_examples=int(raw.get("num_examples", 0)),
             seconds=float(raw.get("seconds", 0.0)), model_digest=str(raw.get("model_digest", "")),
             sync=raw.get("sync", {}),
+            client_metrics={int(c): m for c, m in raw.get("client_metrics", {}).items()},
         )
 
     def get(self, metric: str) -> float | None:

@@ -163,3 +163,39 @@ def test_a_worker_keeps_its_buffers_momentum_and_generator_between_syncs_as_a_li
         bufs = [mine.opt.state[p]["momentum_buffer"] for p in mine.model.parameters()]
         want = [alive.opt.state[p]["momentum_buffer"] for p in alive.model.parameters()]
         assert max(float((a - b).abs().max()) for a, b in zip(bufs, want, strict=True)) < 1e-5
+
+
+class Watching(Trainer):
+    def on_train_start(self, **kwargs: Any) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def on_epoch_end(self, epoch: int, result: dict[str, Any], **kwargs: Any) -> None:
+        self.seen.append(result)
+
+
+def test_each_sync_reports_seed_002s_fields_with_every_workers_own_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # fedmq.run keeps its state in ./.fedmq
+    trainer = Watching(num_workers=3, sync_interval=2)
+    out = trainer.train(epochs=4)
+    seen = trainer.seen
+    assert out["history"] == seen
+    assert [r["epoch"] for r in seen] == [1, 3] and [r["sync_version"] for r in seen] == [1, 2]
+    assert all(r["synced"] is True and r["time"] > 0 for r in seen)
+    # each worker's loss is its id; the averaged one is their mean
+    assert [r["worker_results"] for r in seen] == [[{"loss": 0.0}, {"loss": 1.0}, {"loss": 2.0}]] * 2
+    assert [r["loss"] for r in seen] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("services", [False, True], ids=["engine", "services"])
+def test_a_rounds_record_keeps_each_clients_training_metrics_on_either_path(
+    tmp_path: Path, services: bool
+) -> None:
+    import fedmq
+
+    job = Trainer(num_workers=3).job(2)
+    result = fedmq.run(job, state_dir=tmp_path, services=services)
+    assert result.ok, result.reason
+    assert [dict(r.client_metrics) for r in result.history if r.round > 0] == [
+        {0: {"loss": 0.0}, 1: {"loss": 1.0}, 2: {"loss": 2.0}}] * 2
