@@ -13,6 +13,9 @@
                  first batch, by comparing the loss of a batch with the mean of its examples' losses
                  train.dp_sgd: every example's gradient (vmap(grad) one level down), clipped, summed
                  and noised from each client's own stream, as dpsgd.py does for one client
+                 replayed: a step's gradients (and DP-SGD's) are recorded as the aten operations
+                 they ran once their layout recurs, and those run from then on (traced.py): the
+                 same bits, about half the time of a small model's step
     update       the optimizer's arithmetic on the group's rows: SGD (momentum, weight decay),
                  Adam, the FedProx proximal gradient mu·(w − w_global)
     plan         with the group's data in one bank (bank.py), the steps' clients, rows and masks are
