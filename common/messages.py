@@ -255,7 +255,12 @@ class RoundClosed(Message):
     config: dict[str, bool | int | float | str] = {}  # the next round's (Strategy.configure), for its tasks
     # Each client's own training metrics, for rounds of at most CLIENT_METRICS_MAX clients (seed 002's
     # worker_results); {} for larger rounds, whose history would grow by a row of metrics a client.
-    client_metrics: dict[int, dict[str, float]] = {}
+    client_metrics: Annotated[
+        dict[NonNegativeInt, Annotated[dict[Annotated[str, Field(max_length=128)],
+                                            Annotated[float, Field(allow_inf_nan=False)]],
+                                       Field(max_length=256)]],
+        Field(max_length=CLIENT_METRICS_MAX),
+    ] = {}
 
 
 class JobFailed(Message):

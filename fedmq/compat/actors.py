@@ -26,6 +26,7 @@ workers built with `.remote` too.
 
 from __future__ import annotations
 
+import inspect
 import time
 from types import TracebackType
 from typing import Any, Self
@@ -65,14 +66,23 @@ class Actor:
         object.__setattr__(self, "_worker", worker)
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self._worker, name)
-        return _Method(value) if callable(value) else value
+        if name.startswith("__"):  # copy, pickle and the like ask for these: the worker's are not ours
+            raise AttributeError(name)
+        value = getattr(object.__getattribute__(self, "_worker"), name)
+        # Its methods take .remote; anything else (a model, which is callable too) is itself
+        return _Method(value) if inspect.ismethod(value) or inspect.isbuiltin(value) else value
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._worker, name, value)
+        setattr(object.__getattribute__(self, "_worker"), name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(object.__getattribute__(self, "_worker"), name)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("an Actor is not pickled: fedmq never pickles (unwrap gives the worker)")
 
     def __repr__(self) -> str:
-        return f"Actor({self._worker!r})"
+        return f"Actor({object.__getattribute__(self, '_worker')!r})"
 
 
 def remote(cls: type) -> Any:

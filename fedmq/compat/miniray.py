@@ -38,7 +38,8 @@ in this process.
 Hooks follow syncs, not single epochs: with `sync_interval` > 1, `on_epoch_start` gets the
 round's first epoch and `on_epoch_end` its last, with seed 002's `epoch`, `time` (the round's
 seconds), `synced`, `sync_version` (the syncs so far) and `worker_results` (each worker's numeric
-results of that epoch, by worker id), then that epoch's numeric results averaged over the workers
+results of that epoch, by worker id; empty past 64 workers), with that epoch's numeric results
+averaged over the workers
 (earlier epochs of the round are not reported); the history has one entry per sync.
 """
 
@@ -114,6 +115,11 @@ class DataParallelTrainer(BaseTrainer):
                 f"{type(self).__name__}.train() ran while fedmq imported {_building.trainer!r} for its "
                 "trainer class: the script starts training at import. Put the training under "
                 "`if __name__ == \"__main__\":`")
+        if type(self).train_epoch is not BaseTrainer.train_epoch:
+            raise TypeError(
+                f"{type(self).__name__} defines train_epoch, which a DataParallelTrainer never runs (its "
+                "epochs are the workers' train_epoch, synced as fedmq rounds): subclass "
+                "miniray.BaseTrainer for a training loop of your own")
         for name, value in kwargs.items():
             _check_travels(value, f"train(): argument {name!r}")
         self.on_train_start(**kwargs)  # first: a weight it sets goes into the job
@@ -128,15 +134,15 @@ class DataParallelTrainer(BaseTrainer):
                 if round == 0:
                     return
                 epoch = min(_first_epoch(round + 1, trainer.sync_interval), epochs) - 1
-                result = {  # seed 002's fields, then the workers' averaged and the server's metrics
+                result = {  # the workers' averaged and the server's metrics, then seed 002's fields
+                    **record.metrics.get("train", {}),
+                    **record.metrics.get("server", {}),
                     "epoch": epoch,
                     "time": record.seconds,
                     "synced": True,
                     "sync_version": round,
                     "worker_results": [dict(record.client_metrics.get(worker, {}))
                                        for worker in range(trainer.num_workers)],
-                    **record.metrics.get("train", {}),
-                    **record.metrics.get("server", {}),
                 }
                 history.append(result)
                 trainer.on_epoch_end(epoch, result, **kwargs)

@@ -67,7 +67,8 @@ def round_record(
         "model_digest": msg.model_digest,
         "model_path": msg.model_path,
         "sync": {**sync, "aggregate_seconds": msg.aggregate_seconds},
-        "client_metrics": {str(c): dict(m) for c, m in sorted(msg.client_metrics.items())},
+        "client_metrics": {str(c): dict(m) for c, m in sorted(msg.client_metrics.items())
+                           if c in msg.clients},  # only the round's own
     }
 
 

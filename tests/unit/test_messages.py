@@ -467,3 +467,24 @@ def test_any_map_with_a_real_type_tag_decodes_or_raises_only_decode_error(
     from fedmq.common import codec
 
     decodes_or_refuses(codec.packb({"v": version, "type": kind, **fields}))
+
+
+@pytest.mark.parametrize("metrics", [
+    {-5: {"loss": 1.0}},  # no client has a negative id
+    {0: {"loss": float("nan")}},  # a metric is a finite number
+    {0: {"x" * 500: 1.0}},  # a name of reasonable length
+    {c: {"loss": 1.0} for c in range(65)},  # one round of at most 64 clients carries them
+], ids=["negative-client", "nan", "long-name", "too-many-clients"])
+def test_a_round_closed_whose_client_metrics_break_the_bounds_is_refused(metrics: dict[int, Any]) -> None:
+    wire = to_wire(RoundClosed(job_id="j", round=1, model_digest="d"))
+    raw = codec.unpackb(wire)
+    raw["client_metrics"] = metrics
+    with pytest.raises(DecodeError):
+        from_wire(codec.packb(raw))
+
+
+def test_a_round_closed_carries_each_clients_metrics_through_the_wire() -> None:
+    msg = RoundClosed(job_id="j", round=1, model_digest="d", clients=[3, 7],
+                      client_metrics={3: {"loss": 0.5}, 7: {"loss": 0.25, "accuracy": 1.0}})
+    back = from_wire(to_wire(msg))
+    assert isinstance(back, RoundClosed) and back.client_metrics == msg.client_metrics

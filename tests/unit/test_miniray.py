@@ -180,7 +180,7 @@ def test_each_sync_reports_seed_002s_fields_with_every_workers_own_results(
     trainer = Watching(num_workers=3, sync_interval=2)
     out = trainer.train(epochs=4)
     seen = trainer.seen
-    assert out["history"] == seen
+    assert len(seen) == 2 and all(a is b for a, b in zip(out["history"], seen, strict=True))
     assert [r["epoch"] for r in seen] == [1, 3] and [r["sync_version"] for r in seen] == [1, 2]
     assert all(r["synced"] is True and r["time"] > 0 for r in seen)
     # each worker's loss is its id; the averaged one is their mean

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +102,35 @@ def test_a_data_parallel_trainer_takes_workers_built_with_remote(
     workers = out["workers"]
     assert len(workers) == 2 and isinstance(workers[0], miniray.Actor)
     assert torch.equal(miniray.get(workers[1].get_weights.remote())[0], torch.full((3,), 0.5))
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(2, 1)  # callable, yet an attribute, not a method
+
+    def weight(self) -> torch.Tensor:
+        return self.model.weight
+
+
+def test_an_actor_gives_its_workers_attributes_as_they_are_and_its_methods_with_remote() -> None:
+    actor = miniray.Actor(Holder())
+    assert isinstance(actor.model, torch.nn.Linear)
+    assert list(actor.model.parameters())  # not wrapped: a model's own methods work
+    assert miniray.get(actor.weight.remote()) is actor.model.weight
+    actor.extra = 3
+    assert miniray.unwrap(actor).extra == 3
+    with pytest.raises(TypeError, match="not pickled"):
+        copy.copy(actor)
+
+
+class OwnEpochs(miniray.DataParallelTrainer):
+    def create_worker(self, worker_id: int, **kwargs: Any) -> Any:
+        return Worker(worker_id)
+
+    def train_epoch(self, epoch: int, **kwargs: Any) -> dict[str, Any]:
+        return {"never": 1.0}
+
+
+def test_a_data_parallel_trainer_with_its_own_train_epoch_is_told_to_use_base_trainer() -> None:
+    with pytest.raises(TypeError, match="subclass miniray.BaseTrainer for a training loop of your own"):
+        OwnEpochs(num_workers=1).train(epochs=1)
