@@ -60,7 +60,11 @@ class _Recordings:
     """One model's recordings and sightings, by layout."""
 
     entries: dict[Any, _Entry] = field(default_factory=dict)
-    graphs: int = 0
+
+    @property
+    def graphs(self) -> int:
+        """Recordings kept (read when one more would be made: rarely)."""
+        return sum(isinstance(entry, _Replay) for entry in self.entries.values())
 
 
 _BY_MODEL: weakref.WeakKeyDictionary[torch.nn.Module, _Recordings] = weakref.WeakKeyDictionary()
@@ -82,10 +86,9 @@ def replayed(model: torch.nn.Module, what: Hashable, fn: Callable[..., Any], *ar
             return entry.run(*args)
         return _checked(recordings, key, entry, fn, args)
     if entry is not None and (entry or len(recordings.entries) < MAX_LAYOUTS):
-        if entry + 1 >= RECORD_AT and recordings.graphs < MAX_GRAPHS:
-            run = _record(fn, args)
+        if entry + 1 >= RECORD_AT:  # recorded, or (past MAX_GRAPHS, or unrecordable) eager for good
+            run = _record(fn, args) if recordings.graphs < MAX_GRAPHS else None
             entry = None if run is None else _Replay(run)
-            recordings.graphs += run is not None
         else:
             entry += 1
         recordings.entries[key] = entry
@@ -110,13 +113,11 @@ def _checked(recordings: _Recordings, key: Any, entry: _Replay, fn: Callable[...
         got = entry.run(*args)
     except torch.OutOfMemoryError:  # the check holds the inputs twice: without room, eager only
         recordings.entries[key] = None
-        recordings.graphs -= 1
         return fn(*args)
     if _same((got, args), (expected, copies)):
         entry.checked = True
         return got
     recordings.entries[key] = None
-    recordings.graphs -= 1
     with torch.no_grad():
         for mine, theirs in zip(tree_flatten(args)[0], tree_flatten(copies)[0], strict=True):
             if isinstance(mine, torch.Tensor):
