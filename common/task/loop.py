@@ -46,6 +46,7 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
     """Train `model` in place on one client's data with the Task's loss; see the module docstring."""
     settings = ctx.train
     src = on_device(source(data, "training data"), ctx.device)
+    resident = _resident(src, ctx.device)
     model.train()
     optimizer = make_optimizer(model, settings)
     names = [name for name, _ in model.named_parameters()]  # model.parameters()'s order
@@ -59,10 +60,11 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
              and _parameter_bytes(model) >= STEP_IN_BACKWARD_BYTES)
     steps, sums, seen = 0, _Sums(ctx.device), 0
     with optimizer.in_backward() if early else contextlib.nullcontext():
-        for _ in range(settings.epochs):
+        for epoch in range(settings.epochs):
             sums, seen = _Sums(ctx.device), 0
+            keep = epoch == settings.epochs - 1 or settings.max_steps is not None  # the result's epoch?
             for batch in src.batches(settings.batch_size, ctx.generator):
-                batch = to_device(batch, ctx.device)
+                batch = batch if resident else to_device(batch, ctx.device)
                 size = batch_size_of(batch)
                 optimizer.zero_grad(set_to_none=True)
                 if private is not None:  # each example's gradient clipped, their sum noised
@@ -75,7 +77,8 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
                 if controls is not None:
                     controls.correct()
                 optimizer.step()
-                sums.add(loss, metrics, size)
+                if keep:
+                    sums.add(loss, metrics, size)
                 seen += size
                 steps += 1
                 if settings.max_steps is not None and steps >= settings.max_steps:
@@ -152,25 +155,55 @@ def on_device(src: Source, device: torch.device) -> Source:
     return src
 
 
+def _resident(src: Source, device: torch.device) -> bool:
+    """Whether every batch cut from `src` is on `device` already (tensors there, cut by fedmq)."""
+    data = src.data
+    tensors = (data.values() if isinstance(data, Mapping) else data if isinstance(data, tuple | list)
+               else [data])
+    return src.indexable and all(isinstance(t, torch.Tensor) and t.device == device for t in tensors)
+
+
 class _Sums:
-    """Example-weighted sums of the loss and metrics, kept on the device until `means`."""
+    """Example-weighted sums of the loss and metrics, kept on the device until `means`.
+
+    Each step's values are only kept (detached): a step's multiply-adds in float64, five small
+    operations a metric, were a tenth of a small model's step. `means` makes each term value × size
+    in float64 and adds them in step order, the same bits as adding them step by step."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.values: dict[str, torch.Tensor] = {}
+        self.values: dict[str, list[torch.Tensor | float]] = {}
+        self.sizes: dict[str, list[int]] = {}
 
     def add(self, loss: torch.Tensor, metrics: Mapping[str, torch.Tensor | float], size: int) -> None:
-        for name, value in {"loss": loss, **metrics}.items():
-            value = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            term = value.to(self.device, torch.float64).reshape(()) * size
-            self.values[name] = self.values[name] + term if name in self.values else term
+        for name, value in (("loss", loss), *metrics.items()):
+            if name not in self.values:
+                self.values[name], self.sizes[name] = [], []
+            self.values[name].append(value.detach() if isinstance(value, torch.Tensor) else float(value))
+            self.sizes[name].append(size)
 
     def means(self, seen: int) -> dict[str, float]:
         if not self.values or seen == 0:
             return {}
         names = list(self.values)
-        stacked = torch.stack([self.values[n] for n in names]).cpu()  # the one host sync
-        return {name: float(v) / seen for name, v in zip(names, stacked.tolist(), strict=True)}
+        terms = torch.cat([self._terms(n) for n in names]).cpu().tolist()  # the one host sync
+        out, at = {}, 0
+        for name in names:
+            total = 0.0
+            for term in terms[at:at + len(self.sizes[name])]:
+                total += term
+            at += len(self.sizes[name])
+            out[name] = total / seen
+        return out
+
+    def _terms(self, name: str) -> torch.Tensor:
+        """Each step's value × size, in float64, on the device."""
+        values = [v if isinstance(v, torch.Tensor) else torch.tensor(v) for v in self.values[name]]
+        if len({(v.dtype, v.device, v.shape) for v in values}) == 1:  # one conversion for them all
+            stacked = torch.stack(values).reshape(len(values)).to(self.device, torch.float64)
+        else:
+            stacked = torch.stack([v.reshape(()).to(self.device, torch.float64) for v in values])
+        return stacked * torch.tensor(self.sizes[name], dtype=torch.float64, device=self.device)
 
 
 def _anchors(

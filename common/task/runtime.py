@@ -113,23 +113,30 @@ class TaskRuntime:
 
     def train(self, model: nn.Module, data: ClientData, ctx: TrainContext) -> TrainResult:
         """Train `model` in place on one client, with the Task's own `train` or fedmq's loop."""
-        before = _shapes(model)
+        return self.trained(model, data, ctx)[1]
+
+    def trained(
+        self, model: nn.Module, data: ClientData, ctx: TrainContext
+    ) -> tuple[dict[str, torch.Tensor], TrainResult]:
+        """`train`, with the trained model's state_dict (its own tensors), found finite and of the
+        names, shapes and dtypes it had before."""
+        before = _shapes(model.state_dict())
         method = "train" if has_train(self.task) else "loss"
         if method == "train" and ctx.train.dp_sgd is not None:  # the CLI refuses it before publishing
             raise ConfigError(
                 "train.dp_sgd is fedmq's loop's: a Task with its own train() trains as it likes; "
                 "define loss() instead of train(), or remove train.dp_sgd from the spec"
             )
-        model.train()  # whatever mode the last call left it in: the same in every process
         with (
             torch.random.fork_rng(devices=_cuda(ctx.device)),
             user_code(method, client=ctx.client, round=ctx.round),
         ):
             _seed(derive_seed(self.spec.seed, "torch", ctx.round, ctx.client), ctx.device)
             if method == "train":
+                model.train()  # whatever mode the last call left it in: the same in every process
                 result = self.task.train(model, data.train, ctx)  # type: ignore[attr-defined]
             elif has_loss(self.task):
-                result = train_with_loss(self.task, model, data.train, ctx)
+                result = train_with_loss(self.task, model, data.train, ctx)  # sets train mode itself
             else:
                 raise TypeError("the Task defines neither train() nor loss(); define one")
             if not isinstance(result, TrainResult):
@@ -137,15 +144,16 @@ class TaskRuntime:
             metrics = check_metrics(result.metrics, "training metrics")
             if not isinstance(result.num_examples, int) or result.num_examples < 0:
                 raise TypeError(f"num_examples must be a non-negative int, got {result.num_examples!r}")
-            if _shapes(model) != before:
+            state = model.state_dict()
+            if _shapes(state) != before:
                 raise TypeError("the model's tensors changed names, shapes or dtypes during training")
-            if bad := _non_finite(model.state_dict()):
+            if bad := _non_finite(state):
                 raise _diverged(bad)
             extras = check_tensor_map(result.extras, "TrainResult.extras")
         # Copies, never views of the model or the Task's own state: the update travels after the
         # next client trains (the in-memory bus reads an owned update's parts on its consumer's thread).
         private = {k: v.detach().to("cpu", copy=True) for k, v in extras.items()}
-        return TrainResult(result.num_examples, metrics, private)
+        return state, TrainResult(result.num_examples, metrics, private)
 
     def train_group(
         self, model: nn.Module, datas: list[ClientData], ctxs: list[TrainContext]
@@ -215,8 +223,8 @@ class TaskRuntime:
         return EvalResult(count, metrics)
 
 
-def _shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+def _shapes(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
 
 
 def _non_finite(state: Mapping[str, torch.Tensor]) -> list[str]:

@@ -133,13 +133,14 @@ class JobContext:
             )
         return self.plain
 
-    def trained_state(self) -> dict[str, torch.Tensor]:
-        """The trained model's tensors for its update, which the bus may still be sending (a publish
-        that timed out goes on) when the next task trains. On the host, when the Task promises nothing
-        else keeps views of them (Task.lean_memory), the model's own, lent: its next `load` gives the
-        model fresh ones (a copy would hold a large model twice); else copied to the host."""
+    def trained_state(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The trained model's tensors (`state`: its state_dict, when the caller has it) for its
+        update, which the bus may still be sending (a publish that timed out goes on) when the next
+        task trains. On the host, when the Task promises nothing else keeps views of them
+        (Task.lean_memory), the model's own, lent: its next `load` gives the model fresh ones (a copy
+        would hold a large model twice); else copied to the host."""
         self.model.zero_grad(set_to_none=True)  # a model's worth of memory no one reads again
-        state = self.model.state_dict()
+        state = self.model.state_dict() if state is None else state
         if self.runtime.task.lean_memory and all(t.device.type == "cpu" for t in state.values()):
             self.lent = True
             return {k: v.detach() for k, v in state.items()}
@@ -319,8 +320,8 @@ class Work:
         job.load(weights, task.round, task.client, task.model_digest)
         ctx = self._context(job, task, weights, client_state)
         ctx.state.update(state_of(stored, self.device))  # the Task's own, from its last round
-        result = job.runtime.train(job.model, data, ctx)
-        state = job.trained_state()
+        trained, result = job.runtime.trained(job.model, data, ctx)
+        state = job.trained_state(trained)
         seconds = time.perf_counter() - fetched
         self.metrics.train_seconds.observe(seconds)
         try:  # the client's state for its next round rides with the update (common/task/state.py)
@@ -405,8 +406,8 @@ class Work:
                     try:
                         began = time.perf_counter()
                         job.load(weights, tasks[i].round, tasks[i].client, first.model_digest)
-                        result = job.runtime.train(job.model, data, ctx)
-                        out[i] = self._update(job, tasks[i], weights, job.trained_state(), result,
+                        state, result = job.runtime.trained(job.model, data, ctx)
+                        out[i] = self._update(job, tasks[i], weights, job.trained_state(state), result,
                                               time.perf_counter() - began, fetched - started, fetch_bytes)
                     except Exception as exc:
                         out[i] = exc

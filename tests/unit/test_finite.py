@@ -58,3 +58,18 @@ def test_many_tensors_are_finite_unless_one_value_is_not_even_when_their_sum_ove
         assert not all_finite_many([*ok, torch.tensor([1.0, bad])])
     huge = torch.full((4,), torch.finfo(torch.float64).max, dtype=torch.float64)  # sums to inf, all finite
     assert all_finite_many([huge])
+
+
+def test_many_tensors_of_mixed_dtypes_and_sizes_say_the_same_as_each_tensor_alone() -> None:
+    from fedmq.common.finite import CAT_NUMEL, all_finite, all_finite_many
+
+    small = [torch.ones(3, dtype=torch.float16) * 6e4, torch.ones(2), torch.ones(2, dtype=torch.float64)]
+    large = [torch.ones(CAT_NUMEL), torch.ones(5)]  # summed one by one, not copied into one
+    for tensors in (small, large):
+        assert all_finite_many(tensors)
+        for i in range(len(tensors)):
+            for bad in (float("nan"), float("inf")):
+                broken = [t.clone() for t in tensors]
+                broken[i][-1] = bad
+                assert not all_finite_many(broken)
+                assert all_finite_many(broken) == all(bool(all_finite(t)) for t in broken)
