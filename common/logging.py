@@ -43,12 +43,11 @@ def configure_logging(fmt: Format = "auto", level: str = "info", stream=None) ->
     # (broker_connection_lost, or one line from the CLI), so only pika's worst gets through.
     logging.getLogger("pika").setLevel(logging.CRITICAL)
     structlog.configure(
-        # Below the level, an event is dropped before the chain stamps and merges it (8 us each).
-        processors=[
-            structlog.stdlib.filter_by_level, *shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
-        ],
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
+        # Below the level, a call returns at once: no chain, no stdlib lookup (a filtered event cost
+        # 4 us through filter_by_level, 16 us between a small model's clients, caches cold).
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         cache_logger_on_first_use=False,
     )
 

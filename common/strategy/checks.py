@@ -60,8 +60,11 @@ def check_finite(tensors: Mapping[str, Any], what: str) -> None:
     """ValueError naming the first floating tensor of `tensors` holding NaN or ±inf (others pass)."""
     import torch
 
-    from fedmq.common.finite import all_finite
+    from fedmq.common.finite import all_finite, all_finite_many
 
+    floats = [v for v in tensors.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if len(floats) == len(tensors) and all_finite_many(floats):  # all floating and finite: one check
+        return
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
             continue

@@ -49,6 +49,10 @@ class Source:
             yield from self.data
             return
         assert self.size is not None
+        if generator is None and self._contiguous():
+            for start in range(0, self.size, batch_size):  # in order: views of the values a copy would hold
+                yield self.slice(start, start + batch_size)
+            return
         order = (
             torch.randperm(self.size, generator=generator)
             if generator is not None
@@ -56,6 +60,22 @@ class Source:
         )
         for start in range(0, self.size, batch_size):
             yield self.batch(order[start : start + batch_size])
+
+    def _contiguous(self) -> bool:
+        """Whether the data are contiguous tensors: a batch sliced from them is laid out as a copy is."""
+        data = self.data
+        tensors = (data.values() if isinstance(data, Mapping) else data if isinstance(data, tuple | list)
+                   else [data])
+        return all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in tensors)
+
+    def slice(self, start: int, stop: int) -> Any:
+        """Examples start..stop-1 of tensor data, as views."""
+        data = self.data
+        if isinstance(data, torch.Tensor):
+            return data[start:stop]
+        if isinstance(data, tuple | list):
+            return type(data)(t[start:stop] for t in data)
+        return {k: v[start:stop] for k, v in data.items()}
 
 
 def source(data: Any, what: str = "data") -> Source:

@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
@@ -97,7 +98,8 @@ class TrainSettings:
     lr: float = 0.05
     momentum: float = 0.0
     weight_decay: float = 0.0
-    options: Mapping[str, Any] = field(default_factory=dict)  # free-form, for a Task's own `train`
+    # free-form, for a Task's own `train`; read-only (one TrainSettings serves a job's clients)
+    options: Mapping[str, Any] = field(default_factory=dict)
     dp_sgd: DpSgd | None = None  # fedmq's loop trains with DP-SGD; a Task's own `train` cannot
     keep_optimizer_state: bool = False  # fedmq's loop keeps the optimizer's state in ctx.state
 
@@ -108,7 +110,7 @@ class TrainSettings:
         return cls(
             epochs=train.epochs, batch_size=train.batch_size, max_steps=train.max_steps,
             optimizer=train.optimizer, lr=train.lr, momentum=train.momentum,
-            weight_decay=train.weight_decay, options=dict(train.options),
+            weight_decay=train.weight_decay, options=MappingProxyType(dict(train.options)),
             dp_sgd=None if dp is None else DpSgd(dp.clip_norm, dp.noise_multiplier, dp.delta),
             keep_optimizer_state=train.keep_optimizer_state,
         )

@@ -203,7 +203,8 @@ class TaskRuntime:
 
     def evaluate(self, model: nn.Module, data: Any, ctx: EvalContext) -> EvalResult:
         """Metrics of `model` on `data`, checked; the example count is len(data) unless given."""
-        model.eval()  # as for training: the mode never depends on which call came before
+        if getattr(type(self.task), "evaluate", None) is not Task.evaluate:  # fedmq's own sets the mode
+            model.eval()  # as for training: the mode never depends on which call came before
         with (
             torch.random.fork_rng(devices=_cuda(ctx.device)),
             user_code("evaluate", client=ctx.client, round=ctx.round),

@@ -80,6 +80,7 @@ class JobContext:
     on_device: tuple[str, dict[str, torch.Tensor]] | None = None
     checked: str | None = None  # the digest of the global model last found to match this model
     plain: bool | None = None  # `_plain`, once known
+    settings: TrainSettings | None = None  # the spec's train section as Tasks see it, once made
 
     def load(
         self, weights: Mapping[str, torch.Tensor], server_round: int, client: int, digest: str | None = None
@@ -434,7 +435,9 @@ class Work:
         return max(1, min(self.settings.fuse_clients, fits))
 
     def _train_settings(self, job: JobContext) -> TrainSettings:
-        return TrainSettings.from_spec(job.spec.train)
+        if job.settings is None:
+            job.settings = TrainSettings.from_spec(job.spec.train)
+        return job.settings
 
     def _context(
         self, job: JobContext, task: TrainTask, weights: Mapping[str, torch.Tensor],

@@ -424,3 +424,28 @@ def test_a_stored_update_that_cannot_be_read_fails_the_mean_in_order(
         mean.WeightedMean((f, 1.0) for f in files)["w"]
     files = _files(tmp_path, states)
     assert torch.equal(mean.WeightedMean((f, 1.0) for f in files)["w"], torch.full((100,), 2.0))
+
+
+def test_a_mean_computed_at_once_has_the_bits_of_one_read_tensor_by_tensor() -> None:
+    from fedmq.services.aggregator.kernels.mean import WeightedMean
+
+    gen = torch.Generator().manual_seed(7)
+    results = []
+    for k in range(7):
+        state = {
+            "w": torch.randn(33, 17, generator=gen) * 10 ** (k % 3),
+            "b64": torch.randn(5, dtype=torch.float64, generator=gen),
+            "half": torch.randn(4, generator=gen).half(),  # folded in float32, read alone
+            "steps": torch.tensor(k * 3 + 1),  # an integer buffer, rounded
+            "t": torch.randn(6, 2, generator=gen).t(),  # not contiguous
+            "mixed": torch.randn(3, generator=gen).to(torch.float64 if k == 4 else torch.float32),
+        }
+        results.append((state, float(k + 1) / 3))
+    at_once = WeightedMean(results).compute()
+    one_by_one = WeightedMean(results)
+    assert list(at_once) == list(results[0][0])
+    for name, tensor in at_once.items():
+        alone = one_by_one[name]
+        assert tensor.dtype == alone.dtype == results[0][0][name].dtype
+        bits = [t.reshape(-1).view(torch.uint8) if t.is_floating_point() else t for t in (tensor, alone)]
+        assert torch.equal(*bits) and tensor.stride() == alone.stride(), name

@@ -36,8 +36,8 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def weighted_mean(results: Iterable[tuple[Mapping[str, torch.Tensor], float]]) -> StateDict:
-    """Σ wₖ·xₖ / Σ wₖ over state dicts, one tensor at a time (see WeightedMean), all computed now."""
-    return dict(WeightedMean(results))
+    """Σ wₖ·xₖ / Σ wₖ over state dicts (see WeightedMean), all computed now."""
+    return WeightedMean(results).compute()
 
 
 class WeightedMean(Mapping[str, torch.Tensor]):
@@ -92,6 +92,34 @@ class WeightedMean(Mapping[str, torch.Tensor]):
         if not dtype.is_floating_point and not dtype.is_complex:
             acc.round_()
         return acc.to(dtype)
+
+    def compute(self) -> StateDict:
+        """Every tensor, computed now. When the results are dicts of tensors held in memory, their
+        float32 and float64 CPU tensors that agree in dtype and shape are folded together: one
+        `torch._foreach_*` call a result, not one call a tensor a result. On the CPU these run each
+        tensor's own `add_`: the same bits as reading them one by one. The rest are read one by one."""
+        first = self._results[0][0]
+        held = all(type(state) is dict for state, _ in self._results)  # not files, nor computed per lookup
+        together = [name for name in first if self._foldable(name)] if held else []
+        out: StateDict = {}
+        if together:
+            (state, weight), *rest = self._results
+            sums = torch._foreach_mul([state[name] for name in together], weight)
+            for state, weight in rest:
+                torch._foreach_add_(sums, [state[name] for name in together], alpha=weight)
+            torch._foreach_div_(sums, self._total)
+            out = dict(zip(together, sums, strict=True))
+        return {name: out[name] if name in out else self[name] for name in first}
+
+    def _foldable(self, name: str) -> bool:
+        """Whether tensor `name` is a float32 or float64 CPU tensor of one dtype and shape in every result."""
+        first = self._results[0][0][name]
+        if first.dtype not in (torch.float32, torch.float64) or first.device.type != "cpu":
+            return False
+        return all(
+            (t := state[name]).dtype == first.dtype and t.shape == first.shape and t.device.type == "cpu"
+            for state, _ in self._results
+        )
 
     def _tensors(self, name: str) -> Generator[torch.Tensor]:
         """Each result's tensor `name`, in the results' order."""

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from fedmq.common.heap import LARGE_MODEL_BYTES
 from fedmq.common.strategy.contract import (
     Aggregate,
     ClientFailed,
@@ -36,7 +37,10 @@ class FedAvg(Strategy):
     ) -> Aggregate:
         if type(self).average is not FedAvg.average:  # a variant's own mean, as it computes it
             return Aggregate(self.average(results))
-        # Computed as the round loads it into the model, tensor by tensor: the new model never
-        # sits in memory whole beside the current one. Each read computes again: a variant that
-        # edits the weights calls `average` (a dict).
-        return Aggregate(WeightedMean((r.load(), self.weight(r)) for r in results))
+        # A large model's mean is computed as the round loads it into the model, tensor by tensor:
+        # the new model never sits in memory whole beside the current one. Each read computes again:
+        # a variant that edits the weights calls `average` (a dict). A small one's is computed at
+        # once (WeightedMean.compute: a call a client, not a call a tensor a client).
+        mean = WeightedMean((r.load(), self.weight(r)) for r in results)
+        small = sum(t.numel() * t.element_size() for t in current.values()) < LARGE_MODEL_BYTES
+        return Aggregate(mean.compute() if small else mean)
