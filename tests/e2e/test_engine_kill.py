@@ -9,9 +9,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from fedmq.common.checkpoint import load_state
 from tests.conftest import REPO, assert_bit_identical
 from tests.e2e.test_cli_run import FEDMQ, fedmq
+from tests.e2e.test_restarts import digits_keeping_optimizer_state
 
 ROUNDS = "40"
 KILL_AT = 4  # the kill comes once the journal names this round (checkpoints every 2 rounds)
@@ -27,8 +30,15 @@ def journal(state: Path) -> dict[str, object] | None:
         return None
 
 
-def test_a_sigkilled_run_resumes_from_its_last_checkpoint_to_the_undisturbed_weights(tmp_path: Path) -> None:
-    common = ["examples/digits.yaml", "--rounds", ROUNDS, "--json"]
+@pytest.mark.parametrize("client_state", [False, True], ids=["fedavg", "optimizer-state-kept"])
+def test_a_sigkilled_run_resumes_from_its_last_checkpoint_to_the_undisturbed_weights(
+    tmp_path: Path, client_state: bool
+) -> None:
+    spec = REPO / "examples" / "digits.yaml"
+    if client_state:  # each client's momentum lives in the engine's memory between checkpoints
+        spec = tmp_path / "job.yaml"
+        spec.write_text(digits_keeping_optimizer_state((REPO / "examples" / "digits.yaml").read_text()))
+    common = [str(spec), "--rounds", ROUNDS, "--json"]
     whole = fedmq("run", *common, "--state-dir", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
     expected = json.loads(whole.stdout)
