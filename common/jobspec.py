@@ -155,6 +155,33 @@ class TrainSpec(Spec):
     )
 
 
+class PersonalizeSpec(Spec):
+    """Each client keeps a model of its own beside the global one (fedmq's loop, a loss-level Task).
+
+    fedper (Arivazhagan et al. 2019): the parameters matching `layers` are each client's own; they
+    train with the rest, stay in its client state and never go into its update (it sends the
+    round's global values there, and the aggregator keeps its own). ditto (Li et al. 2021): each
+    client also trains a whole personal model, pulled toward the round's global model by
+    `lam`/2·||v − w||², kept in its client state; its update is FedAvg's, unchanged. A client's
+    personal model is evaluated on its validation data next to the global one (`personal.*`).
+    """
+
+    method: Literal["fedper", "ditto"]
+    layers: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        [], max_length=64, description="fedper: the personal parameters, by name pattern (fnmatch: `2.*`)",
+    )
+    lam: float = Field(0.1, gt=0, allow_inf_nan=False, description="ditto: the pull toward the global model")
+
+    @model_validator(mode="after")
+    def _layers(self) -> PersonalizeSpec:
+        if self.method == "fedper" and not self.layers:
+            raise ValueError("personalize.method fedper needs layers: the parameters each client keeps, "
+                             "by name pattern (for an MLP's last layer, `layers: [\"3.*\"]`)")
+        if self.method == "ditto" and self.layers:
+            raise ValueError("personalize.layers is fedper's: ditto keeps a whole model per client")
+        return self
+
+
 class FederatedEvalSpec(Spec):
     """Clients evaluate the global model on their own validation data."""
 
@@ -177,7 +204,7 @@ class EvaluateSpec(Spec):
 class ObjectiveSpec(Spec):
     """The metric that picks the best round and the best model: `source.name`, minimised or maximised."""
 
-    metric: Annotated[str, Field(pattern=r"^(train|federated|server|strategy)\.[A-Za-z_][\w.]*$")]
+    metric: Annotated[str, Field(pattern=r"^(train|federated|personal|server|strategy)\.[A-Za-z_][\w.]*$")]
     mode: Literal["min", "max"] = "max"
 
 
@@ -252,6 +279,7 @@ class JobSpec(Spec):
     compression: CompressionSpec = Field(
         CompressionSpec(), description="how learners compress their updates (default none: full weights)"
     )
+    personalize: PersonalizeSpec | None = None
     round_timeout_s: float = Field(600.0, gt=0)
     max_round_retries: int = Field(2, ge=0)
     # A data-parallel job instead of a federated one: no clients, rounds or Task of its own.
@@ -289,6 +317,8 @@ class JobSpec(Spec):
         if self.objective is not None and not self.measures(self.objective.metric):
             source = self.objective.metric.partition(".")[0]
             fix = "evaluate.server: true" if source == "server" else "evaluate: {federated: {clients: N}}"
+            if source == "personal" and self.personalize is None:
+                fix = "personalize: {method: ditto}"
             raise ValueError(
                 f"objective.metric {self.objective.metric!r} is never measured: this job has no {source} "
                 f"evaluation; add `{fix}` or pick another metric"
@@ -302,6 +332,8 @@ class JobSpec(Spec):
             return self.evaluate.server
         if source == "federated":
             return self.evaluate.federated is not None
+        if source == "personal":
+            return self.evaluate.federated is not None and self.personalize is not None
         return True
 
     def evaluates(self, server_round: int) -> bool:

@@ -168,6 +168,8 @@ class EvalReport(Message):
     client: NonNegativeInt
     num_examples: NonNegativeInt
     metrics: dict[str, float] = {}
+    # personalize: the client's personal model's metrics on the same data (a `personal` source)
+    personal: dict[str, float] = {}
     reduction: dict[str, Literal["mean", "sum", "min", "max", "geometric"]] = {}
     learner: str = ""
     fetch_bytes: NonNegativeInt = 0  # the global model fetched for it (0: from the learner's cache)

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
     from torch import nn
 
-    from fedmq.common.jobspec import TrainSpec
+    from fedmq.common.jobspec import PersonalizeSpec, TrainSpec
 
 Reduction = Literal["mean", "sum", "min", "max", "geometric"]
 Mode = Literal["min", "max"]
@@ -88,6 +88,15 @@ class DpSgd:
 
 
 @dataclass(frozen=True)
+class Personal:
+    """The spec's `personalize`: fedmq's loop keeps a model of each client's own (common/task/personal.py)."""
+
+    method: Literal["fedper", "ditto"]
+    layers: tuple[str, ...] = ()  # fedper: the client's own parameters, by fnmatch pattern
+    lam: float = 0.1  # ditto: the pull of the personal model toward the round's global one
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     """The spec's `train` section, as a Task sees it."""
 
@@ -102,17 +111,20 @@ class TrainSettings:
     options: Mapping[str, Any] = field(default_factory=dict)
     dp_sgd: DpSgd | None = None  # fedmq's loop trains with DP-SGD; a Task's own `train` cannot
     keep_optimizer_state: bool = False  # fedmq's loop keeps the optimizer's state in ctx.state
+    personal: Personal | None = None  # the spec's personalize section (fedmq's loop)
 
     @classmethod
-    def from_spec(cls, train: TrainSpec) -> TrainSettings:
-        """The spec's `train` section as a Task sees it."""
+    def from_spec(cls, train: TrainSpec, personalize: PersonalizeSpec | None = None) -> TrainSettings:
+        """The spec's `train` section (and `personalize`) as a Task sees it."""
         dp = train.dp_sgd
+        personal = (None if personalize is None
+                    else Personal(personalize.method, tuple(personalize.layers), personalize.lam))
         return cls(
             epochs=train.epochs, batch_size=train.batch_size, max_steps=train.max_steps,
             optimizer=train.optimizer, lr=train.lr, momentum=train.momentum,
             weight_decay=train.weight_decay, options=MappingProxyType(dict(train.options)),
             dp_sgd=None if dp is None else DpSgd(dp.clip_norm, dp.noise_multiplier, dp.delta),
-            keep_optimizer_state=train.keep_optimizer_state,
+            keep_optimizer_state=train.keep_optimizer_state, personal=personal,
         )
 
 

@@ -23,7 +23,7 @@ from typing import Any, get_args
 
 from fedmq.common.task.contract import Reduction
 
-SOURCES = ("train", "federated", "server", "strategy", "transport")
+SOURCES = ("train", "federated", "personal", "server", "strategy", "transport")
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
 MAX_NAMES = 32  # per source and job: Prometheus label values stay bounded
 REDUCTIONS: frozenset[str] = frozenset(get_args(Reduction))

@@ -27,6 +27,7 @@ from fedmq.common.errors import ConfigError
 from fedmq.common.finite import all_finite, all_finite_many
 from fedmq.common.seeding import derive_seed
 from fedmq.common.strategy.checks import check_tensor_map
+from fedmq.common.task import personal
 from fedmq.common.task.contract import (
     ClientData,
     DataContext,
@@ -127,6 +128,11 @@ class TaskRuntime:
                 "train.dp_sgd is fedmq's loop's: a Task with its own train() trains as it likes; "
                 "define loss() instead of train(), or remove train.dp_sgd from the spec"
             )
+        if method == "train" and ctx.train.personal is not None:
+            raise ConfigError(
+                "personalize is fedmq's loop's: a Task with its own train() keeps what it likes in "
+                "ctx.state; define loss() instead of train(), or remove personalize from the spec"
+            )
         with (
             torch.random.fork_rng(devices=_cuda(ctx.device)),
             user_code(method, client=ctx.client, round=ctx.round),
@@ -136,7 +142,9 @@ class TaskRuntime:
                 model.train()  # whatever mode the last call left it in: the same in every process
                 result = self.task.train(model, data.train, ctx)  # type: ignore[attr-defined]
             elif has_loss(self.task):
+                personal.before_training(model, ctx)
                 result = train_with_loss(self.task, model, data.train, ctx)  # sets train mode itself
+                personal.after_training(self.task, model, data.train, ctx)
             else:
                 raise TypeError("the Task defines neither train() nor loss(); define one")
             if not isinstance(result, TrainResult):

@@ -38,8 +38,9 @@ _KINDS: dict[str, tuple[type, torch.dtype]] = {"i": (int, torch.int64), "f": (fl
 
 def keeps_state(spec: JobSpec, task: Any) -> bool:
     """Whether a job's clients keep state between rounds: its Task says so (`keeps_state`), or its
-    spec keeps the loop's optimizer state."""
-    return bool(spec.train.keep_optimizer_state or getattr(task, "keeps_state", False))
+    spec keeps the loop's optimizer state or a personal model (`personalize`)."""
+    return bool(spec.train.keep_optimizer_state or spec.personalize is not None
+                or getattr(task, "keeps_state", False))
 
 
 def state_entries(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -9,9 +9,11 @@ Written only against the public `fedmq` contract, as a user's Task would be:
                                                  # batch_norm: true adds BatchNorm after each layer
         test_fraction: 0.2                       # held out for the server's evaluation
         partition: {kind: dirichlet, alpha: 0.5} # iid | dirichlet | shards
+        own_validation: 0.2                      # clients validate on a fifth of their own examples
 
 A loss-level Task: fedmq runs the training loop, and evaluation is the mean loss and accuracy.
-Each client also holds a slice of the held-out split as its validation data.
+Each client also holds validation data: a slice of the held-out split, or with own_validation a share
+of its own examples.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class DigitsOptions(_Options):
     model: Annotated[Mlp | Cnn, Field(discriminator="name")] = Mlp()
     test_fraction: float = Field(0.2, gt=0, lt=1)
     partition: Partition = DirichletPartition()
+    # > 0: each client's validation data is this fraction of its own examples (its own label mix,
+    # as personalization is judged), kept out of its training data; 0: a slice of the held-out split.
+    own_validation: float = Field(0.0, ge=0, lt=1)
 
 
 class Digits(fedmq.Task):
@@ -74,6 +79,10 @@ class Digits(fedmq.Task):
         parts = _parts(self.options.test_fraction, self.options.partition, ctx.seed, ctx.num_clients)
         mine = train[parts[ctx.client]]
         val = np.array_split(test, ctx.num_clients)[ctx.client]
+        if self.options.own_validation > 0:  # a seeded draw of the client's own, out of its training
+            order = np.random.default_rng([ctx.seed, ctx.client]).permutation(len(mine))
+            held = round(len(mine) * self.options.own_validation)
+            val, mine = np.sort(mine[order[:held]]), np.sort(mine[order[held:]])
         return fedmq.ClientData(
             train=(torch.from_numpy(x[mine]), torch.from_numpy(y[mine])),
             val=(torch.from_numpy(x[val]), torch.from_numpy(y[val])),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,13 +115,48 @@ def fold(
     if shared:
         job.clients.write_shared(server_round, shared)
     with user_code("strategy.aggregate", round=server_round):
-        load_weights(job.model, out.weights)
+        load_weights(job.model, server_weights(job, out.weights))
     del out
     job.weights = views(job.model)
     metrics = {"train": train_metrics(results, job.runtime.reductions)}
     if strategy_metrics:
         metrics["strategy"] = strategy_metrics
     return Folded(metrics, states)
+
+
+def server_weights(job: AggJob, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """The aggregate as the model takes it: under `personalize: fedper`, the clients' own layers keep
+    the server's values (clients send those back; their trained ones stay with them)."""
+    personal = job.spec.personalize
+    if personal is None or personal.method != "fedper":
+        return weights
+    from fedmq.common.task.contract import TrainSettings
+    from fedmq.common.task.personal import own_layers
+
+    settings = TrainSettings.from_spec(job.spec.train, personal).personal
+    assert settings is not None
+    kept = set(own_layers(job.model, settings))
+    current = job.weights
+    if isinstance(weights, dict):
+        return {name: current[name] if name in kept else value for name, value in weights.items()}
+    return _Kept(weights, current, kept)
+
+
+class _Kept(Mapping[str, torch.Tensor]):
+    """A lazily computed aggregate with some of its tensors the current model's."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor],
+                 kept: set[str]) -> None:
+        self.weights, self.current, self.kept = weights, current, kept
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.current[name] if name in self.kept else self.weights[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
 
 
 def seen_examples(job: AggJob, results: list[ClientResult]) -> dict[int, int]:

@@ -121,6 +121,23 @@ def check_task(spec: JobSpec, allowed: AllowList) -> None:
             f"task {name!r} defines its own train(), and train.dp_sgd is fedmq's loop's: define loss() "
             "instead, or remove train.dp_sgd"
         )
+    if spec.personalize is not None and has_train(task):
+        raise ConfigError(
+            f"task {name!r} defines its own train(), and personalize is fedmq's loop's: define loss() "
+            "instead, or remove personalize"
+        )
+    if spec.personalize is not None and spec.personalize.method == "fedper":
+        from fedmq.common.task.contract import TrainSettings
+        from fedmq.common.task.personal import own_layers
+        from fedmq.common.task.runtime import TaskRuntime
+
+        personal = TrainSettings.from_spec(spec.train, spec.personalize).personal
+        assert personal is not None
+        try:
+            with allowing(allowed):
+                own_layers(TaskRuntime(spec, task).build_model(), personal)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     try:
         with allowing(allowed):
             task.check_job(DataContext(client=-1, num_clients=spec.clients.total, seed=spec.seed))

@@ -7,7 +7,7 @@ from typing import Any
 FALLBACK_HEADLINES = ("server.accuracy", "server.loss", "federated.accuracy", "federated.loss", "train.loss")
 
 
-SOURCE_ORDER = ("server", "federated", "train", "strategy", "transport")
+SOURCE_ORDER = ("server", "federated", "personal", "train", "strategy", "transport")
 
 
 def flat(record: dict[str, Any]) -> dict[str, float]:

@@ -3,7 +3,7 @@
     round r:  sample_clients ─▶ TrainTask × k ─▶ Work.train_group | Work.train    (the learner's)
               ─▶ check_job_update (the aggregator's admission) ─▶ RoundState (quorum, retries)
               ─▶ rounds.fold (the strategy) ─▶ strategy_state, server evaluation, next_config
-              ─▶ [federated evaluation: Work.evaluate × k ─▶ combine_reports]
+              ─▶ [federated evaluation: Work.evaluate × k ─▶ evaluated]
               ─▶ round_record, better ─▶ [checkpoint, every `checkpoint_every` rounds] ─▶ event
 
 Nothing is encoded, queued, or written per update: tasks, updates and the global model pass by
@@ -67,9 +67,10 @@ from fedmq.services.learner.work import Work, client_failure
 from fedmq.services.scheduler.limits import check_submission
 from fedmq.services.scheduler.records import (
     better,
-    combine_reports,
     eval_clients,
+    evaluated,
     federated_due,
+    report_entry,
     round_record,
 )
 from fedmq.services.scheduler.rounds import Decision, RoundState, fails_job
@@ -429,15 +430,14 @@ class Engine:
                     self._client_failed(state, task, exc, training=False)
                     continue
                 if state.record_update(client, report.num_examples):
-                    reports[client] = {"num_examples": report.num_examples, "metrics": report.metrics,
-                                       "reduction": report.reduction}
+                    reports[client] = report_entry(report)
             decision = state.decide(DEADLINE)
             if decision is Decision.RETRY:
                 todo = state.retry(math.inf)
                 continue
             break
         if decision is Decision.CLOSE:
-            record["metrics"]["federated"] = combine_reports(reports)
+            record["metrics"].update(evaluated(reports))
         else:
             log.warning("evaluation_below_quorum", reported=len(state.reported), quorum=state.quorum)
         record["evaluated_by"] = len(state.reported)

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -44,9 +45,10 @@ from fedmq.common.task.contract import (
     has_train,
 )
 from fedmq.common.task.fused import can_fuse, group_size
+from fedmq.common.task.personal import personal_model
 from fedmq.common.task.runtime import TaskRuntime
 from fedmq.common.task.state import check_state_entries, keeps_state, state_entries, state_limit, state_of
-from fedmq.common.usercode import UserCodeError
+from fedmq.common.usercode import UserCodeError, user_code
 
 log = structlog.get_logger("fedmq.learner")
 
@@ -436,7 +438,7 @@ class Work:
 
     def _train_settings(self, job: JobContext) -> TrainSettings:
         if job.settings is None:
-            job.settings = TrainSettings.from_spec(job.spec.train)
+            job.settings = TrainSettings.from_spec(job.spec.train, job.spec.personalize)
         return job.settings
 
     def _context(
@@ -489,10 +491,24 @@ class Work:
         ctx = EvalContext(round=task.round, seed=job.spec.seed, device=self.device,
                           batch_size=job.spec.train.batch_size, client=task.client)
         result = job.runtime.evaluate(job.model, data.val, ctx)
+        personal = self._personal_metrics(job, task, data.val, ctx)
         return report.model_copy(update={
-            "num_examples": result.num_examples, "metrics": dict(result.metrics),
+            "num_examples": result.num_examples, "metrics": dict(result.metrics), "personal": personal,
             "reduction": {k: v for k, v in job.runtime.reductions.items() if k in result.metrics},
         })
+
+    def _personal_metrics(
+        self, job: JobContext, task: EvalTask, data: Any, ctx: EvalContext
+    ) -> dict[str, float]:
+        """Under `personalize`, the client's personal model (its state after the round evaluated)
+        on `data`; {} otherwise. The model holds it afterwards: each task loads its own weights."""
+        settings = self._train_settings(job).personal
+        if settings is None:
+            return {}
+        stored = self.fetch_state(task.job_id, task.round + 1, task.client)  # with the round's own training
+        with user_code("evaluate", round=task.round, client=task.client):
+            personal_model(job.model, state_of(stored), settings)
+        return dict(job.runtime.evaluate(job.model, data, ctx).metrics)
 
     def _job(self, job_id: str, raw_spec: dict[str, object]) -> JobContext:
         job = self._jobs.get(job_id)  # a job's spec never changes after submission

@@ -22,9 +22,10 @@ from fedmq.services.scheduler.loop import JobLoop
 from fedmq.services.scheduler.records import (
     add_eval_sync,
     better,
-    combine_reports,
     eval_clients,
+    evaluated,
     federated_due,
+    report_entry,
     round_record,
 )
 from fedmq.services.scheduler.rounds import Decision, RoundState
@@ -81,9 +82,7 @@ class EvaluationLoop(JobLoop):
                 log.info("eval_report_stale", reported=msg.round)
             return
         if evaluation.record_update(msg.client, msg.num_examples):
-            job.eval_reports[msg.client] = {
-                "num_examples": msg.num_examples, "metrics": msg.metrics, "reduction": msg.reduction,
-            }
+            job.eval_reports[msg.client] = report_entry(msg)
             if job.pending is not None:  # the model a learner fetched to evaluate counts in the round's sync
                 add_eval_sync(job.pending.setdefault("sync", {}), msg)
             self._advance_evaluation(job)
@@ -101,7 +100,7 @@ class EvaluationLoop(JobLoop):
             self._arm_deadline(job)
             return
         if decision is Decision.CLOSE:
-            record["metrics"]["federated"] = combine_reports(job.eval_reports)
+            record["metrics"].update(evaluated(job.eval_reports))
         else:  # below quorum with no retries left: the round goes on without federated metrics
             log.warning("evaluation_below_quorum", reported=len(evaluation.reported),
                         quorum=evaluation.quorum)

@@ -44,13 +44,30 @@ def eval_clients(spec: JobSpec, server_round: int) -> list[int]:
     return sorted(int(c) for c in rng.choice(spec.clients.total, size=k, replace=False))
 
 
-def combine_reports(reports: dict[int, dict[str, Any]]) -> dict[str, float]:
-    """The clients' evaluation metrics as one value per name, by the rules the reports carry."""
+def combine_reports(reports: dict[int, dict[str, Any]], key: str = "metrics") -> dict[str, float]:
+    """The clients' evaluation metrics (`key`: or their personal models') as one value per name, by
+    the rules the reports carry."""
     rules: dict[str, str] = {}
     for report in reports.values():
         rules.update(report.get("reduction", {}))
-    pairs = [(int(r["num_examples"]), r["metrics"]) for _, r in sorted(reports.items())]
+    pairs = [(int(r["num_examples"]), r[key]) for _, r in sorted(reports.items()) if key in r]
     return reduce_metrics([(n, m) for n, m in pairs if n > 0], rules)
+
+
+def evaluated(reports: dict[int, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """A federated evaluation's metric sources: `federated` (the global model on each client's
+    validation data), and `personal` (each client's own model, under personalize) when reported."""
+    sources = {"federated": combine_reports(reports)}
+    personal = {c: r for c, r in reports.items() if r.get("personal")}
+    if personal:
+        sources["personal"] = combine_reports(personal, "personal")
+    return sources
+
+
+def report_entry(report: EvalReport) -> dict[str, Any]:
+    """What a federated evaluation keeps of a client's report until its round is recorded."""
+    return {"num_examples": report.num_examples, "metrics": report.metrics, "personal": report.personal,
+            "reduction": report.reduction}
 
 
 def round_record(

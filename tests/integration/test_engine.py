@@ -42,6 +42,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "optimizer-state-kept": {
         "train__optimizer": "adam", "train__lr": 0.01, "train__keep_optimizer_state": True,
         "clients__per_round": 3, "rounds": 4},
+    "fedper": {"personalize": {"method": "fedper", "layers": ["3.*"]}, "clients__per_round": 3, "rounds": 4,
+               "evaluate": {"every": 2, "federated": {"clients": 4}}},
+    "ditto": {"personalize": {"method": "ditto", "lam": 0.5}, "clients__per_round": 3, "rounds": 4,
+              "evaluate": {"every": 2, "federated": {"clients": 4}}},
     "batchnorm-cnn-fused": {  # each client's running statistics stacked; a learner trains each alone
         "task__options": {"model": {"name": "cnn", "channels": [4, 8], "batch_norm": True},
                           "partition": {"kind": "iid"}},  # no batch of one, which BatchNorm refuses
@@ -69,8 +73,11 @@ def test_the_engine_ends_every_round_with_the_services_model(
     if scenario.endswith("-fused"):
         assert engine["fused_groups"], "the engine trained the round's clients together"
     assert_bit_identical(load_state(engine["model_path"])[0], load_state(services["model_path"])[0])
-    assert [h["metrics"].get("federated") for h in engine["history"]] == [
-        h["metrics"].get("federated") for h in services["history"]]
+    for source in ("federated", "personal"):
+        assert [h["metrics"].get(source) for h in engine["history"]] == [
+            h["metrics"].get(source) for h in services["history"]], source
+    if "personalize" in SCENARIOS[scenario]:
+        assert any(h["metrics"].get("personal") for h in engine["history"]), "personal models were evaluated"
 
 
 def test_a_failing_client_costs_the_quorum_in_the_engine_as_on_the_services(tmp_path: Path) -> None:
