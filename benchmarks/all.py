@@ -34,6 +34,7 @@ TIMEOUT_S = 1800  # a benchmark that hangs is killed, named as failed, and the o
 BENCHMARKS: list[tuple[str, list[str]]] = [
     ("codec", []),
     ("engine", []),
+    ("personalization", []),
     ("embedded", []),
     ("round_overhead", []),
     ("round_overhead", ["--clients", "100", "--rounds", "12"]),

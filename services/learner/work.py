@@ -357,7 +357,8 @@ class Work:
         if has_train(job.runtime.task):
             return "its Task trains with its own train()"
         if keeps_state(job.spec, job.runtime.task):
-            return "its clients keep state between rounds (train.keep_optimizer_state, Task.keeps_state)"
+            return ("its clients keep state between rounds (personalize, train.keep_optimizer_state, "
+                    "Task.keeps_state)")
         if task.config.get(CLIENT_STATE):
             return "its strategy or compression keeps state per client (SCAFFOLD, topk's residuals)"
         ctx = self._context(job, task, job.model.state_dict(), {})
