@@ -137,6 +137,11 @@ class Settings(BaseSettings):
         "learner the same and never the scheduler or aggregator (whoever holds it can take the noise out). "
         "Unset: a random key per learner process (DP runs do not repeat bit for bit)",
     )
+    state_key: SecretStr | None = Field(
+        None, description="learners: the secret that seals each client's state (personal models, kept "
+        "optimizer state, a Task's ctx.state) before it goes to the aggregator to be kept; give every "
+        "learner the same and never the scheduler or aggregator. Unset: it travels and is kept unsealed",
+    )
     fuse_memory_bytes: int = Field(
         0, ge=0, description="memory one fused group may use (weights, gradients, optimizer state per "
         "client); 0: a quarter of the device's free memory (the host's available memory on CPU)",
@@ -190,10 +195,10 @@ class Settings(BaseSettings):
         "cli,guest", description="broker users whose job submissions, cancels and status requests are taken",
     )
 
-    @field_validator("dp_key")
+    @field_validator("dp_key", "state_key")
     @classmethod
     def _dp_key(cls, value: SecretStr | None) -> SecretStr | None:
-        """An empty key (compose's `${LEARNER_DP_KEY:-}` left unset) is no key: a random one is drawn."""
+        """An empty key (compose's `${LEARNER_DP_KEY:-}` left unset) is no key."""
         return value if value is not None and value.get_secret_value() else None
 
     @field_validator("device")

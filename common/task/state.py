@@ -72,6 +72,8 @@ def state_of(entries: Mapping[str, torch.Tensor], device: torch.device | None = 
         if not key.startswith(STATE):
             continue
         kind, _, name = key[len(STATE):].partition(".")
+        if kind == "s":
+            raise ValueError("client state still sealed: open it first (sealing.StateSealer.open)")
         if kind == "t":
             out[name] = tensor if device is None else tensor.to(device)
         else:
@@ -91,6 +93,12 @@ def check_state_entries(entries: Mapping[str, Any], limit_bytes: int) -> None:
     size = 0
     for key, tensor in entries.items():
         kind, _, name = key[len(STATE):].partition(".")
+        if kind == "s":  # sealed by the learners (sealing.py): only its form and size are seen here
+            if (name != "sealed" or not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8
+                    or tensor.dim() != 1 or len(entries) != 1):
+                raise ValueError(f"{key[:80]!r} is no sealed client state (one 1-d uint8 entry, alone)")
+            size += tensor.numel() + ENTRY_BYTES
+            continue
         if (not NAME.match(name) or (kind != "t" and kind not in _KINDS)
                 or not isinstance(tensor, torch.Tensor)):
             raise ValueError(f"{key[:80]!r} is no client state entry (names must match {NAME.pattern})")

@@ -59,6 +59,7 @@ from fedmq.common.messages import (
 from fedmq.common.metrics import Metrics
 from fedmq.common.senders import check_sender
 from fedmq.common.settings import Settings
+from fedmq.common.task.sealing import StateSealer
 from fedmq.services.learner.ddp import DdpRunner
 from fedmq.services.learner.device import resolve_device
 from fedmq.services.learner.models import ModelFolder
@@ -89,7 +90,10 @@ class LearnerService:
         # Without a replica index (compose has none) the pid keeps names on one host apart.
         self.name = f"{self.node}/{given}" if given is not None else f"{self.node}/pid{os.getpid()}"
         self.models = ModelFolder(Path(settings.state_dir) / "learner")  # large models, as files
-        self.work = Work(settings, self.name, self._fetch_large, self.metrics, self._fetch_state, allowed)
+        key = settings.state_key
+        sealer = StateSealer(key.get_secret_value()) if key is not None else None
+        self.work = Work(settings, self.name, self._fetch_large, self.metrics, self._fetch_state, allowed,
+                         sealer)
         # Picked and checked here, before the process connects anywhere: a bad FEDMQ_DEVICE is a
         # start-up error, not a learner that joins the fleet and then cannot train.
         self.work.device = resolve_device(settings.device, self.replica)

@@ -47,6 +47,7 @@ from fedmq.common.task.contract import (
 from fedmq.common.task.fused import can_fuse, group_size
 from fedmq.common.task.personal import personal_model
 from fedmq.common.task.runtime import TaskRuntime
+from fedmq.common.task.sealing import StateSealer, still_sealed
 from fedmq.common.task.state import check_state_entries, keeps_state, state_entries, state_limit, state_of
 from fedmq.common.usercode import UserCodeError, user_code
 
@@ -292,6 +293,7 @@ class Work:
     def __init__(
         self, settings: Settings, name: str, fetch: Fetch, metrics: Metrics,
         fetch_state: FetchState = _no_state, allowed: AllowList | None = None,
+        sealer: StateSealer | None = None,
     ) -> None:
         self.settings = settings
         self.allowed = allowed or AllowList.services(settings.allowed_prefixes)
@@ -299,6 +301,9 @@ class Work:
         self.device = torch.device("cpu")
         self.fetch = fetch
         self.fetch_state = fetch_state
+        # Client state leaves for the aggregator sealed with the learners' FEDMQ_STATE_KEY (sealing.py);
+        # None: unsealed (the engine, whose state never leaves it; a learner without the key)
+        self.sealer = sealer
         self.metrics = metrics
         # DP-SGD's secret (the same on every learner, never on the server); else one of this process's.
         self.dp_key = (settings.dp_key.get_secret_value().encode() if settings.dp_key is not None
@@ -316,7 +321,7 @@ class Work:
         started = time.perf_counter()
         weights, fetch_bytes = self._weights(task.job_id, task.model_digest)
         fetch = task.config.get(CLIENT_STATE)
-        stored = self.fetch_state(task.job_id, task.round, task.client) if fetch else {}
+        stored = self._stored_state(task.job_id, task.round, task.client) if fetch else {}
         client_state, residual = split_residual(stored)  # the strategy's, and compression's own
         fetched = time.perf_counter()
         data = self._client_data(job, task.job_id, task.client)
@@ -332,6 +337,9 @@ class Work:
             entries = state_entries(ctx.state) if keeps_state(job.spec, job.runtime.task) else {}
             if entries:  # the aggregator's own check, named here
                 check_state_entries(entries, state_limit(state))
+                if self.sealer is not None:
+                    entries = self.sealer.seal(entries, task.job_id, task.client)
+                    check_state_entries(entries, state_limit(state))
         except (TypeError, ValueError) as exc:
             raise UserCodeError("train" if has_train(job.runtime.task) else "loss", type(exc).__name__,
                                 str(exc), round=task.round, client=task.client) from None
@@ -506,10 +514,19 @@ class Work:
         settings = self._train_settings(job).personal
         if settings is None:
             return {}
-        stored = self.fetch_state(task.job_id, task.round + 1, task.client)  # with the round's own training
+        stored = self._stored_state(task.job_id, task.round + 1, task.client)  # with the round's training
         with user_code("evaluate", round=task.round, client=task.client):
             personal_model(job.model, state_of(stored), settings)
         return dict(job.runtime.evaluate(job.model, data, ctx).metrics)
+
+    def _stored_state(self, job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
+        """A client's kept state before `server_round` (the strategy's, compression's, the Task's),
+        opened when the learners sealed it."""
+        stored = self.fetch_state(job_id, server_round, client)
+        if self.sealer is None:
+            still_sealed(stored, client)
+            return dict(stored)
+        return self.sealer.open(stored, job_id, client)
 
     def _job(self, job_id: str, raw_spec: dict[str, object]) -> JobContext:
         job = self._jobs.get(job_id)  # a job's spec never changes after submission

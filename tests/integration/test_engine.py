@@ -16,10 +16,14 @@ import pytest
 from pydantic import SecretStr
 
 from fedmq.common.checkpoint import load_state
+from fedmq.common.codec.updates import STATE
 from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import JobEvent
 from fedmq.common.settings import Settings
+from fedmq.common.strategy.clients import ClientStore
 from fedmq.common.task.runtime import TaskRuntime
+from fedmq.common.task.sealing import SEALED
+from fedmq.services.aggregator.jobs import RESIDUALS
 from fedmq.services.cli.embedded import run_job as on_services
 from fedmq.services.engine.engine import Engine
 from fedmq.services.engine.run import run_job
@@ -63,9 +67,11 @@ def test_the_engine_ends_every_round_with_the_services_model(
 ) -> None:
     spec = small_job(**SCENARIOS[scenario])
     key = SecretStr("test-key")  # DP-SGD's noise: the same secret on the learners and in the engine
-    services = on_services(
-        spec, transport.settings.model_copy(update={"torch_threads": THREADS, "dp_key": key}),
-        connect=transport.connect, idle_timeout=60)
+    # The learners seal client state (the engine keeps it in memory): sealing changes no bit.
+    sealed = SecretStr("state-key")
+    learners = {"torch_threads": THREADS, "dp_key": key, "state_key": sealed}
+    services = on_services(spec, transport.settings.model_copy(update=learners), connect=transport.connect,
+                           idle_timeout=60)
     engine = run_job(spec, Settings(state_dir=tmp_path / "engine", torch_threads=THREADS, dp_key=key))
     assert services["status"] == engine["status"] == "completed", (
         services.get("reason"), engine.get("reason"))
@@ -78,6 +84,21 @@ def test_the_engine_ends_every_round_with_the_services_model(
             h["metrics"].get(source) for h in services["history"]], source
     if "personalize" in SCENARIOS[scenario]:
         assert any(h["metrics"].get("personal") for h in engine["history"]), "personal models were evaluated"
+    if "personalize" in SCENARIOS[scenario] or scenario == "optimizer-state-kept":
+        kept = aggregator_client_state(Path(transport.settings.state_dir), spec.clients.total)
+        assert kept and all(list(entries) == [SEALED] for entries in kept.values()), kept
+
+
+def aggregator_client_state(state_dir: Path, clients: int) -> dict[int, dict[str, Any]]:
+    """What the aggregator keeps of each client's Task state (fedmq.state.*), as stored on its disk."""
+    found: dict[int, dict[str, Any]] = {}
+    for folder in state_dir.rglob(RESIDUALS):
+        store = ClientStore(folder)
+        for client in range(clients):
+            entries = {k: v for k, v in store.read(client, before=10**6).items() if k.startswith(STATE)}
+            if entries:
+                found[client] = entries
+    return found
 
 
 def test_a_failing_client_costs_the_quorum_in_the_engine_as_on_the_services(tmp_path: Path) -> None:
