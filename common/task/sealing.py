@@ -72,11 +72,11 @@ class StateSealer:
 
 
 def still_sealed(stored: Mapping[str, torch.Tensor], client: int) -> None:
-    """StateSealError when a learner without a key gets sealed state."""
+    """StateSealError when a process without the key (a learner, a Result's reader) gets sealed state."""
     if SEALED in stored:
         raise StateSealError(
-            f"client {client}'s state is sealed and this learner has no FEDMQ_STATE_KEY: give it the key "
-            "the other learners have")
+            f"client {client}'s state is sealed and this process has no FEDMQ_STATE_KEY: give it the key "
+            "the learners have")
 
 
 def _bound(job_id: str, client: int) -> bytes:

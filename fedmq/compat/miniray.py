@@ -157,12 +157,10 @@ class DataParallelTrainer(BaseTrainer):
         return self.on_train_end(history, **kwargs)
 
     def _trained_workers(self, result: fedmq.Result, kwargs: dict[str, Any]) -> list[Any]:
-        """Each worker as training left it, where training ran in this process: built again, given
-        its kept state (modules, optimizers, generators: `worker_state`) and the final synced
-        weights. None over a broker: the workers lived on the learners, their state is on the
-        aggregator's disk, and their data may be nowhere here (`result.weights()` has the model)."""
-        if self.broker is not None:
-            return []
+        """Each worker as training left it, built again in this process (its `load_data_shard` runs
+        here) and given its kept state (modules, optimizers, generators: `worker_state`) and the
+        final synced weights. Over a broker the state comes from the aggregator (with the learners'
+        FEDMQ_STATE_KEY in this process where they seal it)."""
         weights = [tensor for _, tensor in sorted(result.weights("final").items(), key=_index)]
         workers = []
         for worker_id in range(self.num_workers):

@@ -71,7 +71,8 @@ class Result:
     best: Mapping[str, Any] | None
     model_path: str | None
     _fetch: Fetch | None = field(default=None, repr=False)
-    _client_state: Callable[[int], Mapping[str, torch.Tensor]] | None = field(default=None, repr=False)
+    # (client, the round after its last) -> its kept state's entries, opened
+    _client_state: Callable[[int, int], Mapping[str, torch.Tensor]] | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -106,14 +107,15 @@ class Result:
         return self._fetch(digest)
 
     def client_state(self, client: int) -> dict[str, Any]:
-        """What `ctx.state` held after `client` last trained (a Task with `keeps_state`, or
-        train.keep_optimizer_state); {} if it kept none. Where the job ran here (`fedmq run`, the
-        API without a broker): over a broker the aggregator keeps it on its own disk."""
+        """What `ctx.state` held after `client` last trained (a Task with `keeps_state`,
+        train.keep_optimizer_state, personalize); {} if it kept none. Over a broker it comes from the
+        aggregator, sealed if the learners seal it: this process then needs their FEDMQ_STATE_KEY."""
         from fedmq.common.task.state import state_of
 
         if self._client_state is None:
-            raise RuntimeError("a job run over a broker keeps its clients' state on the aggregator's disk")
-        return state_of(self._client_state(client))
+            raise RuntimeError("this result cannot read client state (it was built without a connection)")
+        last = self.history[-1].round if self.history else 0
+        return state_of(self._client_state(client, last + 1))
 
     def model(self, which: str | int = "final") -> nn.Module:
         """The job's model with the weights of `which` (see `weights`), in eval mode."""

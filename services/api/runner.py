@@ -288,18 +288,29 @@ class Runner:
         return {k: job.get(k) for k in ("status", "reason", "model_path", "best") if job.get(k) is not None}
 
     def _client_states(self, job_id: str) -> Any:
-        """How the Result reads a client's kept state: from the engine's or local aggregator's store;
-        None over a broker (the aggregator keeps it on its own disk)."""
-        if self.remote_mode:
-            return None
-        kept = Path(self.settings.state_dir) / ("aggregator" if self.services else "engine")
+        """How the Result reads a client's kept state: from the engine's or local aggregator's store,
+        or over the broker from the aggregator; opened with FEDMQ_STATE_KEY where the learners seal it."""
+        settings, remote_mode = self.settings, self.remote_mode
+        kept = Path(settings.state_dir) / ("aggregator" if self.services else "engine")
 
-        def read(client: int) -> Mapping[str, torch.Tensor]:
-            from fedmq.common.strategy.clients import ClientStore
-            from fedmq.services.aggregator.jobs import RESIDUALS
-            from fedmq.services.aggregator.store import JobStore
+        def read(client: int, server_round: int) -> Mapping[str, torch.Tensor]:
+            from fedmq.common.task.sealing import StateSealer, still_sealed
 
-            return ClientStore(JobStore(kept, job_id).root / RESIDUALS).read(client, before=1 << 62)
+            if remote_mode:
+                from fedmq.services.cli.remote import Remote
+
+                with Remote(settings) as remote:
+                    stored = remote.client_state(job_id, client, server_round)
+            else:
+                from fedmq.common.strategy.clients import ClientStore
+                from fedmq.services.aggregator.jobs import RESIDUALS
+                from fedmq.services.aggregator.store import JobStore
+
+                stored = ClientStore(JobStore(kept, job_id).root / RESIDUALS).read(client, before=1 << 62)
+            if settings.state_key is None:
+                still_sealed(stored, client)
+                return stored
+            return StateSealer(settings.state_key.get_secret_value()).open(stored, job_id, client)
 
         return read
 

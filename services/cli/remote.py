@@ -108,6 +108,25 @@ class Remote:
             raise ModelUnavailable(job_id, digest, reply.error or "no weights")
         return dict(reply.weights)
 
+    def client_state(self, job_id: str, client: int, server_round: int) -> dict[str, Any]:
+        """A client's kept state before `server_round`, from the aggregator (the learners' request):
+        as stored, sealed when the learners seal it. FedmqError when the aggregator has none to give."""
+        from fedmq.common.messages import ClientStateGet, ClientStateReply
+
+        request = to_wire(ClientStateGet(job_id=job_id, round=server_round, client=client))
+        timeout = self.settings.request_timeout_s
+        try:
+            body = self.bus.request(topology.MODEL, request, timeout=timeout)
+        except TimeoutError:
+            raise AggregatorSilent(
+                f"no aggregator answered within {timeout:.0f}s on {self.settings.safe_broker_url}; "
+                "is `fedmq aggregator` running against this broker and vhost?"
+            ) from None
+        reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ClientStateReply)
+        if reply.error or reply.state is None:
+            raise FedmqError(f"job {job_id}: client {client}'s state unavailable: {reply.error}")
+        return dict(reply.state)
+
     def follow(self, job_id: str) -> JobFollower:
         """Events of one job, subscribed on this connection (started before anything is asked)."""
         return JobFollower(self.bus, job_id).attach()

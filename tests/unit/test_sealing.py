@@ -56,7 +56,7 @@ def test_sealed_state_opens_for_nothing_else(change: str) -> None:
 
 def test_a_learner_without_the_key_says_so_and_the_aggregator_refuses_a_malformed_seal() -> None:
     sealed = StateSealer("secret").seal(entries(), JOB, CLIENT)
-    with pytest.raises(StateSealError, match="has no FEDMQ_STATE_KEY"):
+    with pytest.raises(StateSealError, match="this process has no FEDMQ_STATE_KEY"):
         still_sealed(sealed, CLIENT)
     still_sealed(entries(), CLIENT)
     with pytest.raises(ValueError, match="still sealed"):
