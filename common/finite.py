@@ -45,8 +45,8 @@ def all_finite_many(tensors: list[torch.Tensor]) -> bool:
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return True
-    if sum(t.numel() for t in tensors) <= CAT_NUMEL and len({t.device for t in tensors}) == 1:
-        # A small model's tensors as one: four operations, not three a tensor (half the time).
+    if sum(t.numel() for t in tensors) <= CAT_NUMEL and len({(t.device, t.dtype) for t in tensors}) == 1:
+        # A small model's tensors of one dtype as one: four operations, not three a tensor.
         if math.isfinite(torch.cat([t.reshape(-1) for t in tensors]).sum(dtype=torch.float64).item()):
             return True
     elif bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float64) for t in tensors])).all()):

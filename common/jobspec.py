@@ -164,6 +164,7 @@ class PersonalizeSpec(Spec):
     client also trains a whole personal model, pulled toward the round's global model by
     `lam`/2·||v − w||², kept in its client state; its update is FedAvg's, unchanged. A client's
     personal model is evaluated on its validation data next to the global one (`personal.*`).
+    Refused: ditto with train.dp_sgd, fedper with SCAFFOLD.
     """
 
     method: Literal["fedper", "ditto"]
@@ -311,6 +312,21 @@ class JobSpec(Spec):
             merged = isinstance(value, dict) and isinstance(current, dict)
             raw[key] = {**current, **value} if merged else value  # type: ignore[dict-item]
         return type(self).model_validate(raw)
+
+    @model_validator(mode="after")
+    def _personalize_fits(self) -> JobSpec:
+        personal = self.personalize
+        if personal is None:
+            return self
+        if personal.method == "ditto" and self.train.dp_sgd is not None:
+            raise ValueError(
+                "personalize ditto with train.dp_sgd: the personal model would train on the client's data "
+                "without noise and be kept with its state; use fedper (its layers train with DP-SGD) or "
+                "drop one")
+        if personal.method == "fedper" and self.strategy.name == "scaffold":
+            raise ValueError("personalize fedper with strategy scaffold: the control variates would mix "
+                             "each client's own layers into the shared ones; pick another strategy")
+        return self
 
     @model_validator(mode="after")
     def _objective_measured(self) -> JobSpec:

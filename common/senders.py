@@ -16,7 +16,7 @@ own messages there:
                 client_failure heartbeat model_get client_state_get
                 ddp_exit ddp_progress ddp_model
     cli         job_submit job_cancel status_request       FEDMQ_CLI_USERS
-                model_get
+                model_get client_state_get
 
 Learners of logical clients may share one broker user: the check says "a learner sent it",
 not which. A site's learners are bound tighter: FEDMQ_SITE_USERS names the broker users that
@@ -37,9 +37,11 @@ SENDERS: dict[str, frozenset[str]] = {
     **dict.fromkeys(("update_accepted", "updates_accepted", "round_closed", "job_failed", "ddp_stored"),
                     frozenset({"aggregator"})),
     **dict.fromkeys(("client_update", "group_update", "eval_report", "client_failure", "heartbeat",
-                     "client_state_get", "ddp_exit", "ddp_progress", "ddp_model"), frozenset({"learner"})),
+                     "ddp_exit", "ddp_progress", "ddp_model"), frozenset({"learner"})),
     **dict.fromkeys(("job_submit", "job_cancel", "status_request"), frozenset({"cli"})),
-    "model_get": frozenset({"learner", "cli"}),
+    # The CLI reads a model, and a logical client's kept state (Result.client_state: sealed if the
+    # learners seal it); a site's state goes to that site's users only (check_site_sender).
+    **dict.fromkeys(("model_get", "client_state_get"), frozenset({"learner", "cli"})),
 }
 
 

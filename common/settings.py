@@ -197,9 +197,16 @@ class Settings(BaseSettings):
 
     @field_validator("dp_key", "state_key")
     @classmethod
-    def _dp_key(cls, value: SecretStr | None) -> SecretStr | None:
+    def _secret(cls, value: SecretStr | None) -> SecretStr | None:
         """An empty key (compose's `${LEARNER_DP_KEY:-}` left unset) is no key."""
         return value if value is not None and value.get_secret_value() else None
+
+    @field_validator("state_key")
+    @classmethod
+    def _state_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 16:
+            raise ValueError("FEDMQ_STATE_KEY must be at least 16 characters: a long random string")
+        return value
 
     @field_validator("device")
     @classmethod

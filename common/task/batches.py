@@ -50,7 +50,7 @@ class Source:
             return
         assert self.size is not None
         if generator is None and self._contiguous():
-            for start in range(0, self.size, batch_size):  # in order: views of the values a copy would hold
+            for start in range(0, self.size, batch_size):  # in order: a copy of a slice, not a gather
                 yield self.slice(start, start + batch_size)
             return
         order = (
@@ -62,20 +62,21 @@ class Source:
             yield self.batch(order[start : start + batch_size])
 
     def _contiguous(self) -> bool:
-        """Whether the data are contiguous tensors: a batch sliced from them is laid out as a copy is."""
+        """Whether the data are contiguous tensors: a batch sliced from them is laid out as a gather's."""
         data = self.data
         tensors = (data.values() if isinstance(data, Mapping) else data if isinstance(data, tuple | list)
                    else [data])
         return all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in tensors)
 
     def slice(self, start: int, stop: int) -> Any:
-        """Examples start..stop-1 of tensor data, as views."""
+        """Examples start..stop-1 of tensor data, copied as `batch` copies (a loss may write into
+        its batch: never into the client's data)."""
         data = self.data
         if isinstance(data, torch.Tensor):
-            return data[start:stop]
+            return data[start:stop].clone()
         if isinstance(data, tuple | list):
-            return type(data)(t[start:stop] for t in data)
-        return {k: v[start:stop] for k, v in data.items()}
+            return type(data)(t[start:stop].clone() for t in data)
+        return {k: v[start:stop].clone() for k, v in data.items()}
 
 
 def source(data: Any, what: str = "data") -> Source:

@@ -45,7 +45,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
@@ -92,8 +91,12 @@ class Personal:
     """The spec's `personalize`: fedmq's loop keeps a model of each client's own (common/task/personal.py)."""
 
     method: Literal["fedper", "ditto"]
-    layers: tuple[str, ...] = ()  # fedper: the client's own parameters, by fnmatch pattern
+    layers: tuple[str, ...] = ()  # fedper: the client's own parameters (and buffers), by fnmatch pattern
     lam: float = 0.1  # ditto: the pull of the personal model toward the round's global one
+
+    @classmethod
+    def from_spec(cls, spec: PersonalizeSpec | None) -> Personal | None:
+        return None if spec is None else cls(spec.method, tuple(spec.layers), spec.lam)
 
 
 @dataclass(frozen=True)
@@ -107,8 +110,7 @@ class TrainSettings:
     lr: float = 0.05
     momentum: float = 0.0
     weight_decay: float = 0.0
-    # free-form, for a Task's own `train`; read-only (one TrainSettings serves a job's clients)
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)  # free-form, for a Task's own `train`
     dp_sgd: DpSgd | None = None  # fedmq's loop trains with DP-SGD; a Task's own `train` cannot
     keep_optimizer_state: bool = False  # fedmq's loop keeps the optimizer's state in ctx.state
     personal: Personal | None = None  # the spec's personalize section (fedmq's loop)
@@ -117,12 +119,11 @@ class TrainSettings:
     def from_spec(cls, train: TrainSpec, personalize: PersonalizeSpec | None = None) -> TrainSettings:
         """The spec's `train` section (and `personalize`) as a Task sees it."""
         dp = train.dp_sgd
-        personal = (None if personalize is None
-                    else Personal(personalize.method, tuple(personalize.layers), personalize.lam))
+        personal = Personal.from_spec(personalize)
         return cls(
             epochs=train.epochs, batch_size=train.batch_size, max_steps=train.max_steps,
             optimizer=train.optimizer, lr=train.lr, momentum=train.momentum,
-            weight_decay=train.weight_decay, options=MappingProxyType(dict(train.options)),
+            weight_decay=train.weight_decay, options=dict(train.options),
             dp_sgd=None if dp is None else DpSgd(dp.clip_norm, dp.noise_multiplier, dp.delta),
             keep_optimizer_state=train.keep_optimizer_state, personal=personal,
         )

@@ -28,6 +28,7 @@ from fedmq.common.task.contract import EvalContext, EvalResult, TrainContext, Tr
 from fedmq.common.task.dpsgd import PrivateGradients, epsilon_spent
 from fedmq.common.task.functional import split_loss
 from fedmq.common.task.optimizers import Adam, Sgd, make_optimizer
+from fedmq.common.task.personal import proximal_names
 from fedmq.common.task.scaffold import Controls
 
 if TYPE_CHECKING:
@@ -53,8 +54,12 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
     if settings.keep_optimizer_state:
         optimizer.load_entries(ctx.state, names)
     mu = float(ctx.config.get(PROXIMAL_MU, 0.0))
-    anchors = _anchors(model, ctx.global_weights, ctx.device) if mu > 0 else []
+    anchors = _anchors(model, ctx.global_weights, ctx.device, proximal_names(model, settings.personal)) \
+        if mu > 0 else []
     controls = Controls.for_round(model, ctx)
+    if controls is not None and settings.personal is not None and settings.personal.method == "fedper":
+        raise ValueError("personalize fedper cannot train with SCAFFOLD's control variates: they would mix "
+                         "each client's own layers into the shared ones")
     private = _private(task, model, src, ctx)
     early = (private is None and controls is None and task.lean_memory
              and _parameter_bytes(model) >= STEP_IN_BACKWARD_BYTES)
@@ -176,7 +181,7 @@ class _Sums:
         self.sizes: dict[str, list[int]] = {}
 
     def add(self, loss: torch.Tensor, metrics: Mapping[str, torch.Tensor | float], size: int) -> None:
-        for name, value in (("loss", loss), *metrics.items()):
+        for name, value in {"loss": loss, **metrics}.items():  # a metric named loss replaces it
             if name not in self.values:
                 self.values[name], self.sizes[name] = [], []
             self.values[name].append(value.detach() if isinstance(value, torch.Tensor) else float(value))
@@ -207,8 +212,9 @@ class _Sums:
 
 
 def _anchors(
-    model: nn.Module, global_weights: Mapping[str, torch.Tensor], device: torch.device
+    model: nn.Module, global_weights: Mapping[str, torch.Tensor], device: torch.device, names: set[str]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(parameter, its global value) pairs for the proximal term."""
+    """(parameter, its global value) pairs for the proximal term, of the parameters `names`."""
     params = dict(model.named_parameters())
-    return [(p, global_weights[name].to(device)) for name, p in params.items() if name in global_weights]
+    return [(p, global_weights[name].to(device)) for name, p in params.items()
+            if name in global_weights and name in names]

@@ -39,13 +39,20 @@ FEDPER, DITTO = "personal.", "ditto."
 
 
 def own_layers(model: nn.Module, personal: Personal) -> list[str]:
-    """The parameters fedper keeps per client; ValueError when the patterns match none, or all."""
-    names = [name for name, _ in model.named_parameters()]
+    """The tensors fedper keeps per client: the model's state (parameters and buffers, BatchNorm's
+    statistics too) matching `layers`. ValueError when a pattern matches nothing, or the patterns
+    match every parameter or none."""
+    names = list(model.state_dict())
+    params = {name for name, _ in model.named_parameters()}
     own = [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in personal.layers)]
-    if not own or len(own) == len(names):
+    idle = [p for p in personal.layers if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+    shared = params - set(own)
+    if idle or not shared or shared == params:
+        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
         raise ValueError(
-            f"personalize.layers {list(personal.layers)} match {len(own)} of the model's {len(names)} "
-            f"parameters ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}): name some, not all")
+            f"personalize.layers {list(personal.layers)} match {len(params) - len(shared)} of the model's "
+            f"{len(params)} parameters ({shown})"
+            + (f"; {idle} match nothing" if idle else "") + ": name some, not all")
     return own
 
 
@@ -54,11 +61,7 @@ def before_training(model: nn.Module, ctx: TrainContext) -> None:
     personal = ctx.train.personal
     if personal is None or personal.method != "fedper":
         return
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name in own_layers(model, personal):
-            if (kept := ctx.state.get(FEDPER + name)) is not None:
-                params[name].copy_(kept)
+    _load_own(model, ctx.state, personal)
 
 
 def after_training(task: Task, model: nn.Module, data: Any, ctx: TrainContext) -> None:
@@ -67,11 +70,11 @@ def after_training(task: Task, model: nn.Module, data: Any, ctx: TrainContext) -
     if personal is None:
         return
     if personal.method == "fedper":
-        params = dict(model.named_parameters())
+        state = model.state_dict()
         with torch.no_grad():
             for name in own_layers(model, personal):
-                ctx.state[FEDPER + name] = params[name].detach().to("cpu", copy=True)
-                params[name].copy_(ctx.global_weights[name])
+                ctx.state[FEDPER + name] = state[name].to("cpu", copy=True)
+                state[name].copy_(ctx.global_weights[name])  # the update carries the round's values
         return
     from fedmq.common.task.loop import train_with_loss
 
@@ -88,16 +91,31 @@ def after_training(task: Task, model: nn.Module, data: Any, ctx: TrainContext) -
         ctx.state[DITTO + name] = value.detach().to("cpu", copy=True)
 
 
-def personal_model(model: nn.Module, state: Mapping[str, Any], personal: Personal) -> None:
-    """`model`, holding the global weights, made the client's personal model from its kept state
-    (the global model's parts where it has none: a client that never trained)."""
+def personal_model(model: nn.Module, state: Mapping[str, Any], personal: Personal) -> bool:
+    """`model`, holding the global weights, made the client's personal model from its kept state;
+    False (the model unchanged) for a client that has none yet: it never trained."""
+    prefix = FEDPER if personal.method == "fedper" else DITTO
+    if not any(k.startswith(prefix) for k in state):
+        return False
     if personal.method == "fedper":
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name in own_layers(model, personal):
-                if (kept := state.get(FEDPER + name)) is not None:
-                    params[name].copy_(kept)
-        return
-    kept = {k[len(DITTO):]: v for k, v in state.items() if k.startswith(DITTO)}
-    if kept:
-        model.load_state_dict(kept)
+        _load_own(model, state, personal)
+    else:
+        model.load_state_dict({k[len(DITTO):]: v for k, v in state.items() if k.startswith(DITTO)})
+    return True
+
+
+def proximal_names(model: nn.Module, personal: Personal | None) -> set[str]:
+    """The parameters a proximal term (FedProx's mu) pulls toward the global model: under fedper, not
+    the client's own layers (the server's never move)."""
+    names = {name for name, _ in model.named_parameters()}
+    if personal is None or personal.method != "fedper":
+        return names
+    return names - set(own_layers(model, personal))
+
+
+def _load_own(model: nn.Module, state: Mapping[str, Any], personal: Personal) -> None:
+    own = model.state_dict()
+    with torch.no_grad():
+        for name in own_layers(model, personal):
+            if (kept := state.get(FEDPER + name)) is not None:
+                own[name].copy_(kept)

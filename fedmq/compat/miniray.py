@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import warnings
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, ClassVar, Self
@@ -57,7 +58,7 @@ from torch import nn
 
 import fedmq
 from fedmq.common.codec.pack import packb, unpackb
-from fedmq.common.errors import ConfigError
+from fedmq.common.errors import ConfigError, FedmqError
 from fedmq.common.task.loading import import_ref, ref_of
 from fedmq.compat.actors import Actor, BaseTrainer, Ref, get, remote, unwrap
 
@@ -153,8 +154,21 @@ class DataParallelTrainer(BaseTrainer):
             self.result = fedmq.run(job, broker=self.broker, callbacks=[Hooks()])
         if not self.result.ok:
             raise RuntimeError(f"training {self.result.status}: {self.result.reason}")
-        self.workers, self.num_epochs = self._trained_workers(self.result, kwargs), epochs
+        self.workers, self.num_epochs = self._workers_or_none(self.result, kwargs), epochs
         return self.on_train_end(history, **kwargs)
+
+    def _workers_or_none(self, result: fedmq.Result, kwargs: dict[str, Any]) -> list[Any]:
+        """`_trained_workers`; over a broker, [] with a warning when this process cannot build them
+        (its broker user may not read client state, or lacks the learners' FEDMQ_STATE_KEY): the
+        training went well, and `trainer.result` has its weights."""
+        if self.broker is None:
+            return self._trained_workers(result, kwargs)
+        try:
+            return self._trained_workers(result, kwargs)
+        except (FedmqError, TimeoutError) as exc:
+            warnings.warn(f"the trained workers could not be built here ({exc}); train() returns no "
+                          "workers: trainer.result.weights() has the synced weights", stacklevel=3)
+            return []
 
     def _trained_workers(self, result: fedmq.Result, kwargs: dict[str, Any]) -> list[Any]:
         """Each worker as training left it, built again in this process (its `load_data_shard` runs

@@ -80,8 +80,8 @@ class Digits(fedmq.Task):
         mine = train[parts[ctx.client]]
         val = np.array_split(test, ctx.num_clients)[ctx.client]
         if self.options.own_validation > 0:  # a seeded draw of the client's own, out of its training
-            order = np.random.default_rng([ctx.seed, ctx.client]).permutation(len(mine))
-            held = round(len(mine) * self.options.own_validation)
+            order = ctx.rng("own_validation", ctx.client).permutation(len(mine))
+            held = min(round(len(mine) * self.options.own_validation), len(mine) - 1)  # one left to train
             val, mine = np.sort(mine[order[:held]]), np.sort(mine[order[held:]])
         return fedmq.ClientData(
             train=(torch.from_numpy(x[mine]), torch.from_numpy(y[mine])),

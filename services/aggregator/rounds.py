@@ -130,10 +130,10 @@ def server_weights(job: AggJob, weights: Mapping[str, torch.Tensor]) -> Mapping[
     personal = job.spec.personalize
     if personal is None or personal.method != "fedper":
         return weights
-    from fedmq.common.task.contract import TrainSettings
+    from fedmq.common.task.contract import Personal
     from fedmq.common.task.personal import own_layers
 
-    settings = TrainSettings.from_spec(job.spec.train, personal).personal
+    settings = Personal.from_spec(personal)
     assert settings is not None
     kept = set(own_layers(job.model, settings))
     current = job.weights

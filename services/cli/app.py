@@ -127,11 +127,11 @@ def check_task(spec: JobSpec, allowed: AllowList) -> None:
             "instead, or remove personalize"
         )
     if spec.personalize is not None and spec.personalize.method == "fedper":
-        from fedmq.common.task.contract import TrainSettings
+        from fedmq.common.task.contract import Personal
         from fedmq.common.task.personal import own_layers
         from fedmq.common.task.runtime import TaskRuntime
 
-        personal = TrainSettings.from_spec(spec.train, spec.personalize).personal
+        personal = Personal.from_spec(spec.personalize)
         assert personal is not None
         try:
             with allowing(allowed):

@@ -83,7 +83,6 @@ class JobContext:
     on_device: tuple[str, dict[str, torch.Tensor]] | None = None
     checked: str | None = None  # the digest of the global model last found to match this model
     plain: bool | None = None  # `_plain`, once known
-    settings: TrainSettings | None = None  # the spec's train section as Tasks see it, once made
 
     def load(
         self, weights: Mapping[str, torch.Tensor], server_round: int, client: int, digest: str | None = None
@@ -446,9 +445,8 @@ class Work:
         return max(1, min(self.settings.fuse_clients, fits))
 
     def _train_settings(self, job: JobContext) -> TrainSettings:
-        if job.settings is None:
-            job.settings = TrainSettings.from_spec(job.spec.train, job.spec.personalize)
-        return job.settings
+        """Made for each task: a Task may write into its `options`, and no client may see another's."""
+        return TrainSettings.from_spec(job.spec.train, job.spec.personalize)
 
     def _context(
         self, job: JobContext, task: TrainTask, weights: Mapping[str, torch.Tensor],
@@ -510,13 +508,15 @@ class Work:
         self, job: JobContext, task: EvalTask, data: Any, ctx: EvalContext
     ) -> dict[str, float]:
         """Under `personalize`, the client's personal model (its state after the round evaluated)
-        on `data`; {} otherwise. The model holds it afterwards: each task loads its own weights."""
+        on `data`; {} otherwise, and for a client that never trained (it has none). The model holds
+        it afterwards: each task loads its own weights."""
         settings = self._train_settings(job).personal
         if settings is None:
             return {}
         stored = self._stored_state(task.job_id, task.round + 1, task.client)  # with the round's training
         with user_code("evaluate", round=task.round, client=task.client):
-            personal_model(job.model, state_of(stored), settings)
+            if not personal_model(job.model, state_of(stored), settings):
+                return {}
         return dict(job.runtime.evaluate(job.model, data, ctx).metrics)
 
     def _stored_state(self, job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:

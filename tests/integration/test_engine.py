@@ -68,7 +68,7 @@ def test_the_engine_ends_every_round_with_the_services_model(
     spec = small_job(**SCENARIOS[scenario])
     key = SecretStr("test-key")  # DP-SGD's noise: the same secret on the learners and in the engine
     # The learners seal client state (the engine keeps it in memory): sealing changes no bit.
-    sealed = SecretStr("state-key")
+    sealed = SecretStr("the learners state key")
     learners = {"torch_threads": THREADS, "dp_key": key, "state_key": sealed}
     services = on_services(spec, transport.settings.model_copy(update=learners), connect=transport.connect,
                            idle_timeout=60)

@@ -159,7 +159,7 @@ def test_a_regression_worker_with_adam_reaches_the_living_workers_r2(
     ours = r2(RegressionTrainer(num_workers=WORKERS, sync_interval=SYNC).train(epochs=epochs)["workers"][0])
     reference = r2(living(RegressionWorker, epochs))
     print(f"regression R2: fedmq {ours:.4f}, seed-002 semantics {reference:.4f}")
-    assert ours >= 0.30 and abs(ours - reference) <= 0.01, (ours, reference)
+    assert ours >= 0.30 and abs(ours - reference) <= 1e-4, (ours, reference)
 
 
 @pytest.mark.slow
@@ -174,4 +174,5 @@ def test_a_gan_worker_with_two_adams_reaches_the_living_workers_samples(
     reference = nearest_distance(living(GanWorker, epochs))
     print(f"GAN nearest-image distance: untrained {untrained:.3f}, fedmq {ours:.3f}, seed-002 semantics "
           f"{reference:.3f}")
-    assert ours < 4.5 < untrained and abs(ours - reference) <= 0.05 * reference, (untrained, ours, reference)
+    # Not the same bits: the living workers' mean is torch's, fedmq's folds weight by weight.
+    assert ours < 4.5 < untrained and abs(ours - reference) <= 1e-3 * reference, (untrained, ours, reference)

@@ -110,7 +110,7 @@ def _env(service: dict[str, Any]) -> dict[str, str]:
     env = service.get("environment") or {}
     if isinstance(env, list):
         env = dict(item.split("=", 1) for item in env)
-    return {str(k): str(v) for k, v in env.items()}
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}  # `${X:-}` unset: empty
 
 
 def _definitions() -> dict[str, Any]:

@@ -63,9 +63,11 @@ def test_many_tensors_are_finite_unless_one_value_is_not_even_when_their_sum_ove
 def test_many_tensors_of_mixed_dtypes_and_sizes_say_the_same_as_each_tensor_alone() -> None:
     from fedmq.common.finite import CAT_NUMEL, all_finite, all_finite_many
 
-    small = [torch.ones(3, dtype=torch.float16) * 6e4, torch.ones(2), torch.ones(2, dtype=torch.float64)]
+    one_dtype = [torch.ones(3), torch.ones(2, 2)]  # copied into one and summed
+    mixed = [torch.ones(3, dtype=torch.float16) * 6e4, torch.ones(2), torch.ones(2, dtype=torch.float64)]
     large = [torch.ones(CAT_NUMEL), torch.ones(5)]  # summed one by one, not copied into one
-    for tensors in (small, large):
+    assert all_finite_many([*mixed, torch.ones(2).to(torch.float8_e4m3fn)])  # torch.cat cannot promote it
+    for tensors in (one_dtype, mixed, large):
         assert all_finite_many(tensors)
         for i in range(len(tensors)):
             for bad in (float("nan"), float("inf")):

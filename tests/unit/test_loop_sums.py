@@ -61,3 +61,9 @@ def test_the_result_holds_the_last_epochs_metrics_and_max_steps_ends_an_epoch_ea
     assert _train(3, None)["call"] == (5 * 4 + 6 * 2) / 6
     # max_steps 3 stops after the second epoch's first step (4 examples): that step alone.
     assert _train(3, 3)["call"] == 3.0
+
+
+def test_a_metric_named_loss_replaces_the_loss_as_before() -> None:
+    sums = _Sums(torch.device("cpu"))
+    sums.add(torch.tensor(1.0), {"loss": 5.0}, 2)
+    assert sums.means(2) == {"loss": 5.0}

@@ -178,3 +178,31 @@ def test_the_cli_refuses_fedper_layers_that_name_nothing_and_a_task_with_its_own
         task={"name": "tests.integration.train_plugins:Slow"})
     with pytest.raises(ConfigError, match="own train\\(\\), and personalize is fedmq's loop's"):
         check_task(own_train, allowed)
+
+
+def test_personalize_refuses_what_it_cannot_keep_private_or_apart() -> None:
+    with pytest.raises(ConfigError, match="ditto with train.dp_sgd"):
+        job(personalize={"method": "ditto"}, train={"dp_sgd": {"clip_norm": 1.0, "noise_multiplier": 1.0}})
+    with pytest.raises(ConfigError, match="fedper with strategy scaffold"):
+        job(personalize={"method": "fedper", "layers": ["2.*"]}, strategy={"name": "scaffold"})
+    job(personalize={"method": "fedper", "layers": ["2.*"]}, train={"dp_sgd": {"clip_norm": 1.0,
+                                                                                "noise_multiplier": 1.0}})
+
+
+def test_fedper_keeps_a_heads_buffers_and_no_proximal_term_pulls_its_own_layers() -> None:
+    from fedmq.common.task.contract import Personal
+    from fedmq.common.task.personal import own_layers, personal_model, proximal_names
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.BatchNorm1d(2))
+    personal = Personal("fedper", ("1.*", "2.*"))
+    assert own_layers(model, personal) == ["1.weight", "1.bias", "2.weight", "2.bias", "2.running_mean",
+                                           "2.running_var", "2.num_batches_tracked"]
+    assert proximal_names(model, personal) == {"0.weight", "0.bias"}
+    assert proximal_names(model, None) == {name for name, _ in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"\['head\.\*'\] match nothing"):
+        own_layers(model, Personal("fedper", ("1.*", "head.*")))  # one pattern of two a typo
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not personal_model(model, {"ditto.0.weight": torch.zeros(4, 3)}, personal)  # it never trained
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert personal_model(model, {"personal.2.running_mean": torch.ones(2)}, personal)
+    assert torch.equal(model.state_dict()["2.running_mean"], torch.ones(2))

@@ -67,3 +67,44 @@ def test_a_learner_without_the_key_says_so_and_the_aggregator_refuses_a_malforme
             check_state_entries(bad, limit_bytes=1 << 20)
     with pytest.raises(ValueError, match="over its limit"):
         check_state_entries(sealed, limit_bytes=100)
+
+
+def test_state_in_the_clear_where_sealed_state_is_due_is_refused() -> None:
+    sealer = StateSealer("secret of the learners")
+    sealed = sealer.seal(entries(), JOB, CLIENT)
+    forged = {"fedmq.state.i.visits": torch.tensor(99)}
+    for stored in (forged, sealed | forged):  # the aggregator's own state, alone or slipped in beside
+        with pytest.raises(StateSealError, match="in the clear"):
+            sealer.open(stored, JOB, CLIENT)
+    assert sealer.open({"fedmq.residual.w": torch.ones(1)}, JOB, CLIENT).keys() == {"fedmq.residual.w"}
+
+
+def test_a_large_state_is_sealed_in_chunks_that_open_only_together_and_in_order(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedmq.common.task import sealing
+
+    monkeypatch.setattr(sealing, "CHUNK_BYTES", 64)
+    sealer = StateSealer("secret of the learners")
+    plain = entries()
+    blob = sealer.seal(plain, JOB, CLIENT)[SEALED]
+    opened = sealer.open({SEALED: blob}, JOB, CLIENT)
+    assert all(torch.equal(opened[k], v) for k, v in plain.items())
+    raw = bytearray(blob.numpy().tobytes())
+    size = 8 + 12 + 64 + 16  # a full chunk: its length, nonce, ciphertext and tag
+    first, second = raw[8:8 + size], raw[8 + size:8 + 2 * size]
+    swapped = raw[:8] + second + first + raw[8 + 2 * size:]
+    dropped = raw[:8 + size] + raw[8 + 2 * size:]
+    for bad in (swapped, dropped, raw + b"\0"):
+        with pytest.raises(StateSealError, match="does not open"):
+            sealer.open({SEALED: torch.frombuffer(bytearray(bad), dtype=torch.uint8)}, JOB, CLIENT)
+
+
+def test_a_short_state_key_is_refused() -> None:
+    from pydantic import ValidationError
+
+    from fedmq.common.settings import Settings
+
+    with pytest.raises(ValidationError, match="at least 16 characters"):
+        Settings(state_key="short")
+    assert Settings(state_key="").state_key is None

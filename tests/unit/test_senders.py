@@ -41,6 +41,8 @@ def test_every_message_type_sent_to_a_work_queue_has_its_senders() -> None:
     ("job_submit", "cli", True),
     ("job_submit", "learner", False),
     ("model_get", "cli", True),
+    ("client_state_get", "cli", True),  # Result.client_state over a broker
+    ("client_state_get", "scheduler", False),
     ("model_get", "learner", True),
     ("client_update", "guest", True),  # a broker without definitions: guest can do anything there
     ("client_update", "mallory", False),
