@@ -157,6 +157,8 @@ class TrainContext:
     # This client's own state, kept between its rounds when the Task sets `keeps_state` (or the spec
     # train.keep_optimizer_state): what its last training left here, {} the first time. Change it in
     # place; tensors (kept on the CPU between rounds), ints, floats and bools (common/task/state.py).
+    # fedmq's loop keeps its own here under `optimizer.`, `personal.` and `ditto.`: a Task's keys
+    # start otherwise.
     state: dict[str, Any] = field(default_factory=dict)
 
 

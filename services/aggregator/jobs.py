@@ -11,12 +11,15 @@ from torch import nn
 
 from fedmq.common.allowlist import AllowList
 from fedmq.common.coderefs import check_code
+from fedmq.common.errors import ConfigError
 from fedmq.common.heap import LARGE_MODEL_BYTES, large_buffers_unmapped
 from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import RoundClosed, UserError
 from fedmq.common.strategy.clients import ClientStore
 from fedmq.common.strategy.contract import Strategy
 from fedmq.common.strategy.loading import check_strategy, make_strategy
+from fedmq.common.task.contract import Personal
+from fedmq.common.task.personal import own_layers
 from fedmq.common.task.runtime import TaskRuntime
 from fedmq.common.usercode import user_code
 from fedmq.services.aggregator.limits import DiskQuota, model_bytes
@@ -133,6 +136,11 @@ def _assemble(spec: JobSpec, store: JobStore, allowed: AllowList) -> AggJob:
     check_code(spec, allowed)  # every name first, before the Task's module runs
     runtime = TaskRuntime.for_job(spec, allowed)
     model = runtime.build_model()
+    if (personal := Personal.from_spec(spec.personalize)) is not None and personal.method == "fedper":
+        try:  # `fedmq submit` checked it; a job from the API or an older CLI is checked here
+            own_layers(model, personal)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if model_bytes(views(model)) >= LARGE_MODEL_BYTES:
         large_buffers_unmapped()  # folds of its updates free large buffers: give them back
     return AggJob(

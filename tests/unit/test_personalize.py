@@ -206,3 +206,8 @@ def test_fedper_keeps_a_heads_buffers_and_no_proximal_term_pulls_its_own_layers(
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert personal_model(model, {"personal.2.running_mean": torch.ones(2)}, personal)
     assert torch.equal(model.state_dict()["2.running_mean"], torch.ones(2))
+
+
+def test_a_job_from_the_api_with_fedper_layers_that_name_nothing_fails_saying_so(tmp_path: Path) -> None:
+    result = fedmq.run(job(personalize={"method": "fedper", "layers": ["9.*"]}), state_dir=tmp_path)
+    assert result.status == "failed" and "['9.*'] match nothing" in result.reason
