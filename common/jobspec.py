@@ -314,6 +314,14 @@ class JobSpec(Spec):
         return type(self).model_validate(raw)
 
     @model_validator(mode="after")
+    def _task_given(self) -> JobSpec:
+        if "task" not in self.model_fields_set and self.ddp is None:
+            raise ValueError(
+                "task is missing: name the Task the job trains, `task: digits` for the built-in digits "
+                "classifier or `task: {name: \"my_pkg.tasks:MyTask\"}` for your own (see examples/)")
+        return self
+
+    @model_validator(mode="after")
     def _personalize_fits(self) -> JobSpec:
         personal = self.personalize
         if personal is None:
@@ -355,6 +363,17 @@ class JobSpec(Spec):
     def evaluates(self, server_round: int) -> bool:
         """Whether the global model of this round is evaluated (round 0 is the initial model)."""
         return server_round % self.evaluate.every == 0 or server_round == self.rounds
+
+
+class Job(JobSpec):
+    """`fedmq.Job(...)`: a JobSpec checked as a YAML spec is, its errors one ConfigError naming each
+    field (and suggesting the key a typo meant), not pydantic's."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(f"job spec is invalid:\n{format_errors(exc)}") from None
 
 
 def legacy_workload(data: Any) -> Any:
@@ -461,6 +480,8 @@ def format_errors(exc: ValidationError) -> str:
             msg = f"unknown key{_suggest(err['loc'])}"
         elif err["type"] == "literal_error":
             msg = f"{msg} (got {err.get('input')!r})"
+        elif err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")  # our own checks' messages say it all
         lines.append(f"  - {'.'.join(path) or '(top level)'}: {msg}")
     return "\n".join(lines)
 

@@ -45,7 +45,7 @@ __version__ = "0.2.0"
 
 # Loaded on first use, so that `import fedmq` stays light (no torch, no services).
 _LAZY = {
-    "Job": ("fedmq.common.jobspec", "JobSpec"),
+    "Job": ("fedmq.common.jobspec", "Job"),
     "run": ("fedmq.services.api.runner", "run"),
     "Runner": ("fedmq.services.api.runner", "Runner"),
     "Callback": ("fedmq.services.api.runner", "Callback"),
@@ -58,7 +58,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from torch import nn
 
-    from fedmq.common.jobspec import JobSpec as Job
+    from fedmq.common.jobspec import Job
     from fedmq.common.task.scaffold import Controls
     from fedmq.services.api.result import Result, RoundRecord, SyncStats
     from fedmq.services.api.runner import Callback, Runner, run

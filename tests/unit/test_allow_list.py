@@ -166,4 +166,4 @@ def test_the_setting_takes_module_prefixes_and_refuses_anything_else() -> None:
 
 
 def _raw() -> dict[str, Any]:
-    return {"name": "j", "clients": {"total": 2}, "rounds": 1}
+    return {"name": "j", "task": "digits", "clients": {"total": 2}, "rounds": 1}

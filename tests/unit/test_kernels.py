@@ -367,7 +367,8 @@ def test_server_momentum_does_not_modify_the_velocity_it_is_given() -> None:
 def test_make_strategy_maps_each_spec_name_to_its_class(
     strategy: dict[str, str], expected_type: type
 ) -> None:
-    spec = parse_job({"name": "j", "clients": {"total": 2}, "rounds": 1, "strategy": strategy})
+    spec = parse_job({"name": "j", "task": "digits", "clients": {"total": 2}, "rounds": 1,
+                      "strategy": strategy})
     assert type(make_strategy(spec.strategy)) is expected_type
 
 
@@ -375,6 +376,7 @@ def test_make_strategy_passes_fedavgm_hyperparameters_through_from_the_legacy_fl
     spec = parse_job(
         {
             "name": "j",
+            "task": "digits",
             "clients": {"total": 2},
             "rounds": 1,
             "strategy": {"name": "fedavgm", "server_lr": 0.3, "server_momentum": 0.6},

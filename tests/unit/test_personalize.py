@@ -162,7 +162,7 @@ def test_personalize_names_what_is_wrong_before_a_job_runs() -> None:
         with pytest.raises(ValueError, match=r"match \d of the model's 4 parameters"):
             own_layers(model, Personal("fedper", tuple(patterns)))
     with pytest.raises(ConfigError, match="personalize"):
-        parse_job({"name": "x", "clients": {"total": 2}, "rounds": 1,
+        parse_job({"name": "x", "task": "digits", "clients": {"total": 2}, "rounds": 1,
                    "objective": {"metric": "personal.loss"}})
 
 

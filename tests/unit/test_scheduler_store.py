@@ -10,7 +10,7 @@ from fedmq.common.jobspec import parse_job
 from fedmq.services.scheduler.jobs import SchedJob
 from fedmq.services.scheduler.store import JobRows
 
-RAW = {"name": "t", "clients": {"total": 2}, "rounds": 50}
+RAW = {"name": "t", "task": "digits", "clients": {"total": 2}, "rounds": 50}
 
 
 def job(history: int) -> SchedJob:

@@ -80,7 +80,7 @@ def test_a_sites_stored_state_goes_to_its_own_users_only() -> None:
     from fedmq.services.aggregator.serving import ModelServer
 
     stored = SimpleNamespace(read=lambda client, before: {"c": torch.ones(2)})
-    spec = parse_job({"name": "s", "clients": {"sites": ["a", "b"]}, "rounds": 2})
+    spec = parse_job({"name": "s", "task": "digits", "clients": {"sites": ["a", "b"]}, "rounds": 2})
     nothing = SimpleNamespace(read=lambda client, before: {})
     job = SimpleNamespace(spec=spec, round=1, clients=stored, residuals=nothing)
     server = ModelServer(bus=None, jobs={"j": job}, senders={},  # type: ignore[arg-type,dict-item]

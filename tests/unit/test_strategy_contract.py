@@ -248,9 +248,10 @@ def test_sound_extras_pass() -> None:
 def test_from_python_a_strategy_class_names_itself_in_the_spec() -> None:
     from tests.support.strategies import Counting
 
-    job = fedmq.Job.model_validate({"name": "j", "clients": {"total": 2}, "rounds": 1, "strategy": Counting})
+    job = fedmq.Job.model_validate({"name": "j", "task": "digits", "clients": {"total": 2}, "rounds": 1,
+                                    "strategy": Counting})
     assert job.strategy == StrategySpec(name="tests.support.strategies:Counting")
-    job = fedmq.Job.model_validate({"name": "j", "clients": {"total": 2}, "rounds": 1,
+    job = fedmq.Job.model_validate({"name": "j", "task": "digits", "clients": {"total": 2}, "rounds": 1,
                                     "strategy": {"name": Counting, "options": {"scale": 3.0}}})
     assert make_strategy(job.strategy).options.scale == 3.0  # type: ignore[attr-defined]
 

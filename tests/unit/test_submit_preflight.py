@@ -5,7 +5,8 @@ from __future__ import annotations
 from fedmq.common.jobspec import parse_job
 from fedmq.services.cli.preflight import learners_warning
 
-SITES = parse_job({"name": "s", "rounds": 1, "clients": {"sites": ["a", "b", "c"], "min_fit": 2}})
+SITES = parse_job({"name": "s", "task": "digits", "rounds": 1,
+                   "clients": {"sites": ["a", "b", "c"], "min_fit": 2}})
 LOGICAL = parse_job({"name": "l", "rounds": 1, "clients": {"total": 5}, "round_timeout_s": 60})
 
 
