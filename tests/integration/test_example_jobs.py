@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import fedmq
-from fedmq.common.jobspec import load_job
+from fedmq.common.jobspec import JobSpec, load_job
 from fedmq.common.task.runtime import TaskRuntime
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow  # whole example jobs: tens of seconds each
 
 
-def example(name: str, **changes: object) -> fedmq.Job:
+def example(name: str, **changes: object) -> JobSpec:
     return load_job(REPO / "examples" / f"{name}.yaml").with_changes(**changes)
 
 

@@ -75,3 +75,22 @@ def test_a_spec_typo_is_reported_without_importing_torch(tmp_path: Path) -> None
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_a_spec_without_a_task_is_exit_2_naming_the_key(tmp_path: Path, command: str) -> None:
+    job = write(tmp_path, "name: j\nclients: {total: 4}\nrounds: 1\n")
+    result = CliRunner().invoke(app, [command, job])
+    assert result.exit_code == 2, result.output
+    assert "task is missing" in result.output and "task: digits" in result.output
+
+
+def test_a_job_built_in_python_is_refused_as_its_yaml_would_be() -> None:
+    from fedmq.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rouds: unknown key; did you mean 'rounds'") as info:
+        fedmq.Job(name="j", task="digits", clients={"total": 4}, rouds=3)
+    assert "pydantic" not in str(info.value)
+    with pytest.raises(ConfigError, match="task is missing"):
+        fedmq.Job(name="j", clients={"total": 4}, rounds=1)
+    assert isinstance(fedmq.Job(name="j", task="digits", clients={"total": 4}, rounds=1), fedmq.Job)

@@ -20,7 +20,7 @@ from torch import nn
 
 import fedmq
 from fedmq.common.errors import ConfigError
-from fedmq.common.jobspec import parse_job
+from fedmq.common.jobspec import JobSpec, parse_job
 from fedmq.common.task.runtime import TaskRuntime
 from tests.conftest import assert_bit_identical
 
@@ -45,7 +45,7 @@ class Tiny(fedmq.Task):
         return nn.functional.mse_loss(model(x), y)
 
 
-def job(**changes: Any) -> fedmq.Job:
+def job(**changes: Any) -> JobSpec:
     return parse_job({
         "name": "personal", "seed": 5, "task": {"name": f"{__name__}:Tiny"},
         "clients": {"total": CLIENTS}, "rounds": ROUNDS,
@@ -54,7 +54,7 @@ def job(**changes: Any) -> fedmq.Job:
     })
 
 
-def run(spec: fedmq.Job, tmp_path: Path) -> fedmq.Result:
+def run(spec: JobSpec, tmp_path: Path) -> fedmq.Result:
     result = fedmq.run(spec, state_dir=tmp_path / str(id(spec)))
     assert result.ok, result.reason
     return result
@@ -77,7 +77,7 @@ def sgd(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], anchor: nn.Mo
                 p.sub_(LR * p.grad)
 
 
-def initial_and_data(spec: fedmq.Job) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+def initial_and_data(spec: JobSpec) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
     runtime = TaskRuntime.for_job(spec)
     return runtime.build_model(), [runtime.load_data(c, None).train for c in range(CLIENTS)]
 
