@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
-from fedmq.common.errors import ConfigError
+from fedmq.common.errors import ConfigError, SetupError
 
 SETTING = "FEDMQ_ALLOWED_CODE"
 
@@ -106,7 +106,7 @@ class AllowList:
             return
         top = module.split(".", 1)[0]
         if self.roots and MODULE.match(module) and _find(top) is None:  # a typo, not a hostile name
-            raise ConfigError(
+            raise SetupError(
                 f"{what} {ref!r}: no module named {top!r}; is it installed or on PYTHONPATH? "
                 f"(working directory: {os.getcwd()})"
             )

@@ -9,6 +9,11 @@ class ConfigError(FedmqError):
     """A job spec or setting is wrong; the message says which field and what is allowed."""
 
 
+class SetupError(ConfigError):
+    """A job cannot start for a reason outside its spec's text: a file that cannot be read, a module
+    that is not installed. The CLI does not tell the user to fix the spec."""
+
+
 class DecodeError(FedmqError):
     """Bytes from the wire or disk are not a valid fedmq message or tensor."""
 

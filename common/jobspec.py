@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedmq.common.codec.compress import CompressionSpec
-from fedmq.common.errors import ConfigError
+from fedmq.common.errors import ConfigError, SetupError
 from fedmq.common.speclimits import check_tree, load_yaml
 
 REF = r"^([A-Za-z_][\w]*|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$"  # a built-in name or package.module:Name
@@ -439,7 +439,7 @@ def load_job(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSp
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read job spec {path}: {exc.strerror}") from None
+        raise SetupError(f"cannot read job spec {path}: {exc.strerror}") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -252,6 +252,7 @@ class Task:
 
     def __init__(self, **options: Any) -> None:
         if self.Options is not None:
+            _refuse_unknown(self.Options, options, type(self).__name__)
             self.options = self.Options(**options)
         elif options:
             names = ", ".join(sorted(options))
@@ -294,6 +295,30 @@ class Task:
         if not has_loss(self):
             raise NotImplementedError(f"{type(self).__name__} must define evaluate() (it has no loss())")
         return evaluate_with_loss(self, model, data, ctx)
+
+
+def _refuse_unknown(model: Any, options: Mapping[str, Any], task: str, path: str = "") -> None:
+    """ConfigError naming an option key `model` (a pydantic model) does not declare, with the key it
+    was likely meant to be, whatever the model's own config (a plain BaseModel ignores them)."""
+    import difflib
+
+    from pydantic import BaseModel
+
+    from fedmq.common.errors import ConfigError
+
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return
+    fields = model.model_fields
+    known = set(fields) | {f.alias for f in fields.values() if f.alias}
+    for key, value in options.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"task {task}: its options are invalid:\n  - task.options.{path}{key}: unknown "
+                              f"key{hint}; allowed: {', '.join(fields) or 'none'}")
+        field = fields.get(key)
+        if field is not None and isinstance(value, Mapping):
+            _refuse_unknown(field.annotation, value, task, f"{path}{key}.")
 
 
 def has_loss(task: Task) -> bool:

@@ -11,7 +11,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from fedmq.common.allowlist import AllowList, active, allowing
-from fedmq.common.errors import ConfigError
+from fedmq.common.errors import ConfigError, SetupError
 from fedmq.common.task.contract import Task
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def import_ref(ref: str, what: str, allowed: AllowList | None = None) -> Any:
         module = _running_script(module_name) or importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ConfigError(
+            raise SetupError(
                 f"{what} {ref!r}: no module named {exc.name!r}; is it installed or on PYTHONPATH? "
                 f"(working directory: {os.getcwd()})"
             ) from None

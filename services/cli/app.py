@@ -14,7 +14,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from fedmq.common.allowlist import AllowList
-from fedmq.common.errors import ConfigError
+from fedmq.common.errors import ConfigError, SetupError
 from fedmq.common.jobspec import JobSpec, load_job
 from fedmq.common.settings import Settings
 
@@ -104,7 +104,8 @@ def load_spec(job: Path, rounds: int | None, seed: int | None, settings: Setting
         return spec
     except ConfigError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        err.print("Fix the job spec and run again; see examples/ for valid specs.")
+        if not isinstance(exc, SetupError):  # the spec's own text is at fault, not a file or module
+            err.print("Fix the job spec and run again; see examples/ for valid specs.")
         raise typer.Exit(EXIT_USAGE) from None
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 from torch import nn
 from typer.testing import CliRunner
 
@@ -94,3 +95,50 @@ def test_a_job_built_in_python_is_refused_as_its_yaml_would_be() -> None:
     with pytest.raises(ConfigError, match="task is missing"):
         fedmq.Job(name="j", clients={"total": 4}, rounds=1)
     assert isinstance(fedmq.Job(name="j", task="digits", clients={"total": 4}, rounds=1), fedmq.Job)
+
+
+TRAILER = "Fix the job spec and run again"
+
+
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_the_fix_the_spec_trailer_follows_spec_errors_only(tmp_path: Path, command: str) -> None:
+    cases = {
+        str(tmp_path / "absent.yaml"): ("cannot read job spec", False),
+        write(tmp_path, "name: j\ntask: {name: 'nosuchpkg.tasks:T'}\nclients: {total: 2}\nrounds: 1\n"):
+            ("no module named 'nosuchpkg'", False),
+    }
+    for job, (message, trailer) in cases.items():
+        result = CliRunner().invoke(app, [command, job])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert (TRAILER in result.output) is trailer, result.output
+    typo = write(tmp_path, "name: j\ntask: digits\nclients: {total: 2}\nrouds: 1\n")
+    result = CliRunner().invoke(app, [command, typo])
+    assert result.exit_code == 2 and "did you mean 'rounds'" in result.output and TRAILER in result.output
+
+
+class Inner(BaseModel):
+    depth: int = 1
+
+
+class Plain(BaseModel):
+    """A plain pydantic model: by itself it ignores keys it does not declare."""
+
+    width: int = 32
+    inner: Inner = Inner()
+
+
+class PlainOptions(fedmq.Task):
+    Options = Plain
+
+    def build_model(self) -> nn.Module:
+        return nn.Linear(1, 1)
+
+
+def test_a_typo_in_a_tasks_plain_options_is_refused_with_the_key_it_meant() -> None:
+    from fedmq.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="task.options.widht: unknown key; did you mean 'width'"):
+        PlainOptions(widht=3)
+    with pytest.raises(ConfigError, match="task.options.inner.detph: unknown key; did you mean 'depth'"):
+        PlainOptions(inner={"detph": 2})
+    assert PlainOptions(width=3, inner={"depth": 2}).options.inner.depth == 2

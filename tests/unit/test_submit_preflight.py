@@ -7,7 +7,8 @@ from fedmq.services.cli.preflight import learners_warning
 
 SITES = parse_job({"name": "s", "task": "digits", "rounds": 1,
                    "clients": {"sites": ["a", "b", "c"], "min_fit": 2}})
-LOGICAL = parse_job({"name": "l", "rounds": 1, "clients": {"total": 5}, "round_timeout_s": 60})
+LOGICAL = parse_job({"name": "l", "task": "digits", "rounds": 1, "clients": {"total": 5},
+                     "round_timeout_s": 60})
 
 
 def learner(alive: bool = True, sites: tuple[str, ...] = ()) -> dict[str, object]:
