@@ -14,6 +14,11 @@ class SetupError(ConfigError):
     that is not installed. The CLI does not tell the user to fix the spec."""
 
 
+class ClientDataError(FedmqError):
+    """A client's data cannot train, the same way every time (it holds none): its failure is final
+    for the round, not retried."""
+
+
 class DecodeError(FedmqError):
     """Bytes from the wire or disk are not a valid fedmq message or tensor."""
 

@@ -28,6 +28,7 @@ from fedmq.common.finite import all_finite, all_finite_many
 from fedmq.common.seeding import derive_seed
 from fedmq.common.strategy.checks import check_tensor_map
 from fedmq.common.task import personal
+from fedmq.common.task.batches import source
 from fedmq.common.task.contract import (
     ClientData,
     DataContext,
@@ -100,7 +101,10 @@ class TaskRuntime:
         with _RNG_LOCK, torch.random.fork_rng(devices=[]), user_code("load_data", client=client):
             _seed(derive_seed(self.spec.seed, "data", client))
             data = self.task.load_data(self.data_context(client, data_dir))
-        return data if isinstance(data, ClientData) else ClientData(train=data)
+            data = data if isinstance(data, ClientData) else ClientData(train=data)
+            if has_loss(self.task) and not has_train(self.task):  # fedmq's loop batches it: can it?
+                source(data.train, "the training data load_data returned")
+        return data
 
     def export(self, model: nn.Module, out_dir: Path, server_round: int) -> None:
         """The Task's artifacts of the final model, written into `out_dir`."""

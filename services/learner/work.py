@@ -29,7 +29,7 @@ from fedmq.common.codec import TensorFile
 from fedmq.common.codec.compress import CompressionSpec, Residual
 from fedmq.common.codec.updates import check_no_prefix, compress_update, split_residual, with_prefix
 from fedmq.common.coderefs import check_code
-from fedmq.common.errors import FedmqError
+from fedmq.common.errors import ClientDataError, FedmqError
 from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
 from fedmq.common.messages import ClientFailure, ClientUpdate, EvalReport, EvalTask, TrainTask
 from fedmq.common.metrics import Metrics
@@ -260,6 +260,9 @@ def client_failure(task: TrainTask | EvalTask, exc: Exception, learner: str) -> 
         log.warning("user_code_failed", phase=exc.phase, error_type=exc.error_type, error=exc.message[:300])
         error = exc.info("learner", round=task.round, client=task.client, learner=learner)
         code, reason = "user_code", error.line()
+    elif isinstance(exc, ClientDataError):  # the same on every attempt: the round does not retry it
+        log.warning("task_failed", error=str(exc))
+        code, reason, error = "no_data", str(exc), None
     elif isinstance(exc, FedmqError):
         log.warning("task_failed", error=str(exc))
         code, reason, error = "invalid", str(exc), None
@@ -471,7 +474,7 @@ class Work:
     ) -> ClientUpdate:
         """The client's update, compressed as the job says (`residual`: topk's, kept as client state)."""
         if result.num_examples == 0:
-            raise FedmqError(f"client {task.client} has no training data")
+            raise ClientDataError(f"client {task.client} has no training data")
         log.info("task_trained", client=task.client, examples=result.num_examples, seconds=round(seconds, 4),
                  loss=round(result.metrics.get("loss", float("nan")), 4),
                  site=job.spec.clients.site(task.client))

@@ -32,6 +32,7 @@ class RoundState:
     reported: dict[int, int] = field(default_factory=dict)  # client → examples
     failed: dict[int, str] = field(default_factory=dict)  # client → reason
     phases: dict[int, str] = field(default_factory=dict)  # client → where it failed (for the strategy)
+    final: set[int] = field(default_factory=set)  # clients that failed in a way a retry repeats
     closing: bool = False
 
     def record_update(self, client: int, num_examples: int) -> bool:
@@ -54,6 +55,8 @@ class RoundState:
         """A learner's ClientFailure: its code and reason, and for training the phase it failed in
         (its user code's, else its code; the scheduler's own placement failure is an error)."""
         reason = f"{failure.code}: {failure.reason}"
+        if failure.code in FINAL_CODES and failure.client in self.missing:
+            self.final.add(failure.client)
         if not training:
             return self.record_failure(failure.client, reason)
         phase = failure.error.phase if failure.error is not None else failure.code
@@ -81,15 +84,21 @@ class RoundState:
             return Decision.WAIT
         if len(self.reported) >= self.quorum:
             return Decision.CLOSE
-        return Decision.RETRY if self.retries_left > 0 else Decision.FAIL
+        again = any(c not in self.final for c in self.missing)  # a retry could change something
+        return Decision.RETRY if self.retries_left > 0 and again else Decision.FAIL
 
     def retry(self, deadline: float) -> list[int]:
-        """Start another attempt for the clients still missing; returns them."""
+        """Start another attempt for the clients still missing, but those whose failure a retry
+        repeats (they stay failed); returns them."""
         self.retries_left -= 1
         self.deadline = deadline
-        self.failed.clear()
-        self.phases.clear()
-        return self.missing
+        self.failed = {c: r for c, r in self.failed.items() if c in self.final}
+        self.phases = {c: p for c, p in self.phases.items() if c in self.final}
+        return [c for c in self.missing if c not in self.final]
+
+
+# A client's failure that every attempt repeats: its data cannot train (none at all). Not retried.
+FINAL_CODES = frozenset({"no_data"})
 
 
 def fails_job(failure: ClientFailure, on_error: str) -> bool:

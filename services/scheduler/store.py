@@ -134,6 +134,7 @@ def _state_row(state: RoundState | None) -> dict[str, Any] | None:
     row["reported"] = [[c, n] for c, n in state.reported.items()]
     row["failed"] = [[c, r] for c, r in state.failed.items()]
     row["phases"] = [[c, p] for c, p in state.phases.items()]
+    row["final"] = sorted(state.final)
     return row
 
 
@@ -146,4 +147,5 @@ def _state_from_row(row: dict[str, Any] | None) -> RoundState | None:
     row["reported"] = {int(c): int(n) for c, n in row["reported"]}
     row["failed"] = {int(c): str(r) for c, r in row["failed"]}
     row["phases"] = {int(c): str(p) for c, p in row.get("phases", [])}
+    row["final"] = {int(c) for c in row.get("final", [])}  # rows written before it: none final
     return RoundState(**row)

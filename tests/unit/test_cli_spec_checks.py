@@ -142,3 +142,28 @@ def test_a_typo_in_a_tasks_plain_options_is_refused_with_the_key_it_meant() -> N
     with pytest.raises(ConfigError, match="task.options.inner.detph: unknown key; did you mean 'depth'"):
         PlainOptions(inner={"detph": 2})
     assert PlainOptions(width=3, inner={"depth": 2}).options.inner.depth == 2
+
+
+class NotData(fedmq.Task):
+    """A loss-level Task whose load_data returns something fedmq's loop cannot batch."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Linear(1, 1)
+
+    def load_data(self, ctx: fedmq.DataContext) -> str:
+        return "rows.csv"
+
+    def loss(self, model: nn.Module, batch: object) -> object:
+        raise AssertionError("never reached")
+
+
+def test_data_fedmqs_loop_cannot_batch_fails_in_load_data_not_in_loss() -> None:
+    from fedmq.common.jobspec import parse_job
+    from fedmq.common.task.runtime import TaskRuntime
+    from fedmq.common.usercode import UserCodeError
+
+    spec = parse_job({"name": "j", "task": f"{__name__}:NotData", "clients": {"total": 2}, "rounds": 1})
+    with pytest.raises(UserCodeError) as info:
+        TaskRuntime.for_job(spec).load_data(0, None)
+    assert info.value.phase == "load_data"
+    assert "training data load_data returned is a str" in info.value.message

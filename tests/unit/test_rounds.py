@@ -250,3 +250,23 @@ def test_sample_clients_differs_across_seeds() -> None:
 @pytest.mark.parametrize("k", [10, 11, 1000])
 def test_sample_clients_returns_everyone_when_k_is_at_least_total(k: int) -> None:
     assert sample_clients(42, 3, 10, k) == list(range(10))
+
+
+def test_a_client_whose_data_cannot_train_is_not_retried_and_a_round_of_only_those_fails_at_once() -> None:
+    from fedmq.common.messages import ClientFailure
+
+    def failure(client: int, code: str) -> ClientFailure:
+        return ClientFailure(job_id="j", task_id=f"j:4:{client}", round=4, client=client, code=code,
+                             reason="x")
+
+    state = new_round(quorum=3, retries=2)
+    report(state, 1, 3)
+    state.record_client_failure(failure(5, "no_data"))
+    state.record_client_failure(failure(7, "error"))  # a crash: another attempt may go through
+    assert state.decide(DEADLINE) is Decision.RETRY
+    assert state.retry(DEADLINE + 10) == [7]  # 5's failure stays: it would fail the same way
+    assert state.failed == {5: "no_data: x"} and state.final == {5}
+    restored = _state_from_row(json.loads(json.dumps(_state_row(state))))
+    assert restored is not None and restored.final == {5}
+    state.record_client_failure(failure(7, "no_data"))
+    assert state.decide(BEFORE) is Decision.FAIL  # retries left, but none could help
