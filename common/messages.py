@@ -188,6 +188,8 @@ class UserError(BaseModel):
     round: int | None = None
     client: int | None = None
     learner: str = Field("", max_length=200)
+    where: str = Field("", max_length=300)  # the user's line that raised: file:line in function
+    trace: str = Field("", max_length=8000)  # its traceback's end (`fedmq run -v` prints it)
 
     def line(self) -> str:
         """One line for logs, `fedmq status` and `watch`."""
@@ -197,7 +199,8 @@ class UserError(BaseModel):
         if self.learner:
             where.append(f"on {self.learner}")
         place = f" ({', '.join(where)})" if where else ""
-        return f"user code failed in {self.service} {self.phase}{place}: {self.type}: {self.message}"
+        at = f" at {self.where}" if self.where else ""
+        return f"user code failed in {self.service} {self.phase}{place}{at}: {self.type}: {self.message}"
 
 
 class ClientFailure(Message):

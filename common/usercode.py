@@ -11,29 +11,38 @@ message's (dead-lettered, and the job left waiting) or one client's (quorum lost
 
 from __future__ import annotations
 
+import os
+import sysconfig
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from fedmq.common.allowlist import CodeNotAllowed
 from fedmq.common.errors import FedmqError, StateUnwritable
 from fedmq.common.messages import UserError
 
 MESSAGE_CHARS = 1000  # a traceback's last line can be huge (a tensor's repr): the start says enough
+WHERE_CHARS = 300
+TRACE_CHARS = 8000  # the traceback's end: the frames nearest the error
 
 
 class UserCodeError(FedmqError):
-    """User code raised: in which phase (and round and client, where known), what type, what message."""
+    """User code raised: in which phase (and round and client, where known), what type, what message;
+    `where`, the user's own line that raised (file:line in function), and `trace`, the traceback."""
 
     def __init__(
         self, phase: str, error_type: str, message: str, *,
-        round: int | None = None, client: int | None = None,
+        round: int | None = None, client: int | None = None, where: str = "", trace: str = "",
     ) -> None:
-        super().__init__(f"{phase} raised {error_type}: {message}")
+        super().__init__(f"{phase} raised {error_type}: {message}" + (f" (at {where})" if where else ""))
         self.phase = phase
         self.error_type = error_type
         self.message = message
         self.round = round
         self.client = client
+        self.where = where
+        self.trace = trace
 
     def info(
         self, service: str, *, round: int | None = None, client: int | None = None, learner: str = ""
@@ -43,7 +52,7 @@ class UserCodeError(FedmqError):
             service=service, phase=self.phase, type=self.error_type, message=self.message,
             round=self.round if self.round is not None else round,
             client=self.client if self.client is not None else client,
-            learner=learner,
+            learner=learner, where=self.where[:WHERE_CHARS], trace=self.trace[-TRACE_CHARS:],
         )
 
 
@@ -62,4 +71,38 @@ def user_code(phase: str, *, round: int | None = None, client: int | None = None
         raise
     except (Exception, SystemExit) as exc:  # SystemExit: a user's sys.exit() must not end a thread
         message = str(exc)[:MESSAGE_CHARS]
-        raise UserCodeError(phase, type(exc).__name__, message, round=round, client=client) from exc
+        raise UserCodeError(phase, type(exc).__name__, message, round=round, client=client,
+                            where=users_line(exc), trace=_trace(exc)) from exc
+
+
+def users_line(exc: BaseException) -> str:
+    """The innermost frame of `exc`'s traceback in the user's own code (not fedmq's, not an
+    installed package's, not Python's), as `file:line in function`; "" when there is none."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename)
+        if path.suffix != ".py" or _library(path):
+            continue
+        try:
+            shown = str(path.resolve().relative_to(Path.cwd().resolve()))
+        except (ValueError, OSError):
+            shown = frame.filename
+        return f"{shown}:{frame.lineno} in {frame.name}"
+    return ""
+
+
+def _library(path: Path) -> bool:
+    """Whether a traceback's file is fedmq's own, an installed package's or the standard library's."""
+    resolved = str(path.resolve())
+    return any(resolved.startswith(root) for root in _LIBRARY_ROOTS)
+
+
+def _trace(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))[-TRACE_CHARS:]
+
+
+_OWN = Path(__file__).resolve().parent  # the repository's common/ (fedmq.common)
+_LIBRARY_ROOTS = tuple(sorted({
+    str(_OWN) + os.sep, str(_OWN.parent / "services") + os.sep, str(_OWN.parent / "fedmq") + os.sep,
+    *(str(Path(p).resolve()) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
+      if (p := sysconfig.get_paths().get(key))),
+}))

@@ -47,7 +47,8 @@ def run(
         min=1, help="rounds between checkpoints [default: FEDMQ_CHECKPOINT_EVERY, 10]",
     )] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the per-round history as JSON")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show service logs")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="show service logs, and the traceback of user code that failed")] = False,
 ) -> None:
     """Train a job in this process (no broker needed)."""
     settings = make_settings(state_dir=state_dir)
@@ -108,6 +109,8 @@ def run(
     if json_out:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     print_summary(err if json_out else Console(), result)
+    if verbose and (trace := (result.get("error") or {}).get("trace")):  # where the user's code raised
+        err.print(trace, highlight=False, markup=False, soft_wrap=True, end="")
     if result["status"] != "completed":
         raise typer.Exit(EXIT_FAILED)
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import BaseModel
 from torch import nn
 from typer.testing import CliRunner
@@ -167,3 +168,37 @@ def test_data_fedmqs_loop_cannot_batch_fails_in_load_data_not_in_loss() -> None:
         TaskRuntime.for_job(spec).load_data(0, None)
     assert info.value.phase == "load_data"
     assert "training data load_data returned is a str" in info.value.message
+
+
+class Raising(fedmq.Task):
+    """A loss that raises two calls deep in the user's own code."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Linear(2, 1)
+
+    def load_data(self, ctx: fedmq.DataContext) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ones(4, 2), torch.ones(4, 1)
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return _inner_helper(model, batch)
+
+
+def _inner_helper(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    raise ValueError("the loss went wrong")
+
+
+def test_user_code_that_raises_is_named_at_its_own_line_and_v_prints_its_traceback(tmp_path: Path) -> None:
+    import inspect
+
+    line = inspect.getsourcelines(_inner_helper)[1] + 1
+    job = write(tmp_path, f"name: r\ntask: {{name: '{__name__}:Raising'}}\nclients: {{total: 2}}\nrounds: 1\n"
+                          "evaluate: {server: false}\n")
+    state = ["--state-dir", str(tmp_path / "state")]
+    quiet = CliRunner().invoke(app, ["run", job, *state])
+    assert quiet.exit_code == 1
+    assert f"test_cli_spec_checks.py:{line} in _inner_helper: ValueError: the loss went wrong" in \
+        quiet.output.replace("\n", " ").replace("  ", " ")
+    assert "Traceback" not in quiet.output
+    loud = CliRunner().invoke(app, ["run", job, *state, "-v"])
+    assert "Traceback (most recent call last)" in loud.output
+    assert 'raise ValueError("the loss went wrong")' in loud.output
