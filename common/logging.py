@@ -12,8 +12,9 @@ Format = Literal["auto", "json", "console"]
 
 
 def configure_logging(fmt: Format = "auto", level: str = "info", stream=None) -> None:
-    """Route structlog and stdlib logging through one renderer on `stream` (default stderr)."""
-    stream = stream or sys.stderr
+    """Route structlog and stdlib logging through one renderer on `stream` (default: whatever
+    sys.stderr is at each line, so a progress bar that redirects it prints the line above itself)."""
+    stream = stream or _Stderr()
     use_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -50,6 +51,19 @@ def configure_logging(fmt: Format = "auto", level: str = "info", stream=None) ->
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         cache_logger_on_first_use=False,
     )
+
+
+class _Stderr:
+    """sys.stderr as it is when a line is written, not when logging was set up."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
 
 
 def _traceback_formatter() -> structlog.typing.ExceptionRenderer:
