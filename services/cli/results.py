@@ -222,3 +222,22 @@ def _suffix(which: Which) -> str:
 def _fail(message: str, code: int) -> NoReturn:
     err.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+@app.command()
+def schema(
+    out: Annotated[Path | None, typer.Option(help="write it to this file instead of standard output")] = None,
+) -> None:
+    """Print the JSON Schema of job spec files, for an editor to complete and check them.
+
+    With the YAML language server (VS Code's YAML extension, for one), a spec's first line
+    `# yaml-language-server: $schema=PATH/job.schema.json` points it there, as examples/ do.
+    """
+    from fedmq.common.specschema import job_schema_text
+
+    text = job_schema_text()
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    out.write_text(text)
+    err.print(f"wrote {out}", highlight=False)

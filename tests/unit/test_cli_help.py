@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from fedmq.services.cli.main import app
 
 COMMANDS = ["run", "scheduler", "aggregator", "learner", "submit", "watch", "status", "cancel", "learners",
-            "gpu-mapping", "model", "plot"]
+            "gpu-mapping", "model", "plot", "schema"]
 
 
 def help_of(*command: str) -> str:
