@@ -12,7 +12,6 @@ from typing import Any
 
 from fedmq.common.jobspec import JobSpec
 
-SCHEMA_ID = "https://fedmq.dev/job.schema.json"
 SHORTHANDS = ("task", "strategy", "compression")  # a string names the section's one key
 
 
@@ -32,7 +31,7 @@ def job_schema() -> dict[str, Any]:
     clients = schema["$defs"]["ClientsSpec"]
     clients["required"] = [k for k in clients.get("required", []) if k != "total"]
     clients["anyOf"] = [{"required": ["total"]}, {"required": ["sites"]}]
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID, **schema}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
 def job_schema_text() -> str:
