@@ -57,13 +57,16 @@ class _Stderr:
     """sys.stderr as it is when a line is written, not when logging was set up."""
 
     def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+        stream = sys.stderr or sys.__stderr__  # None under pythonw and some daemons: lines dropped
+        return stream.write(text) if stream is not None else len(text)
 
     def flush(self) -> None:
-        sys.stderr.flush()
+        if (stream := sys.stderr or sys.__stderr__) is not None:
+            stream.flush()
 
     def isatty(self) -> bool:
-        return sys.stderr.isatty()
+        stream = sys.stderr or sys.__stderr__
+        return stream is not None and stream.isatty()
 
 
 def _traceback_formatter() -> structlog.typing.ExceptionRenderer:

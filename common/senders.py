@@ -40,7 +40,7 @@ SENDERS: dict[str, frozenset[str]] = {
                      "ddp_exit", "ddp_progress", "ddp_model"), frozenset({"learner"})),
     **dict.fromkeys(("job_submit", "job_cancel", "status_request"), frozenset({"cli"})),
     # The CLI reads a model, and a logical client's kept state (Result.client_state: sealed if the
-    # learners seal it); a site's state goes to that site's users only (check_site_sender).
+    # learners seal it); a site's state goes to learners only (its own, by check_site_sender).
     **dict.fromkeys(("model_get", "client_state_get"), frozenset({"learner", "cli"})),
 }
 

@@ -97,7 +97,11 @@ def _library(path: Path) -> bool:
 
 
 def _trace(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc))[-TRACE_CHARS:]
+    """The traceback's frames, and its last line with the message cut as `message` is: a huge
+    message (a tensor's repr) never pushes the frames out of TRACE_CHARS."""
+    last = f"{type(exc).__name__}: {str(exc)[:MESSAGE_CHARS]}\n"
+    frames = "".join(traceback.format_tb(exc.__traceback__))[-(TRACE_CHARS - len(last) - 40):]
+    return f"Traceback (most recent call last):\n{frames}{last}"
 
 
 _OWN = Path(__file__).resolve().parent  # the repository's common/ (fedmq.common)

@@ -299,7 +299,7 @@ class Task:
 
 def _refuse_unknown(model: Any, options: Mapping[str, Any], task: str, path: str = "") -> None:
     """ConfigError naming an option key `model` (a pydantic model) does not declare, with the key it
-    was likely meant to be, whatever the model's own config (a plain BaseModel ignores them)."""
+    was likely meant to be: a plain BaseModel would ignore it. A model with extra="allow" keeps it."""
     import difflib
 
     from pydantic import BaseModel
@@ -308,6 +308,8 @@ def _refuse_unknown(model: Any, options: Mapping[str, Any], task: str, path: str
 
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         return
+    if model.model_config.get("extra") == "allow":
+        return  # an Options model that asks for extra keys gets them
     fields = model.model_fields
     known = set(fields) | {f.alias for f in fields.values() if f.alias}
     for key, value in options.items():

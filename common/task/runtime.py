@@ -102,7 +102,8 @@ class TaskRuntime:
             _seed(derive_seed(self.spec.seed, "data", client))
             data = self.task.load_data(self.data_context(client, data_dir))
             data = data if isinstance(data, ClientData) else ClientData(train=data)
-            if has_loss(self.task) and not has_train(self.task):  # fedmq's loop batches it: can it?
+            loop = has_loss(self.task) and not has_train(self.task)  # fedmq's loop batches the data
+            if loop and data.train is not None:
                 source(data.train, "the training data load_data returned")
         return data
 

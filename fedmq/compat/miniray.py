@@ -60,6 +60,7 @@ import fedmq
 from fedmq.common.codec.pack import packb, unpackb
 from fedmq.common.errors import ConfigError, FedmqError
 from fedmq.common.task.loading import import_ref, ref_of
+from fedmq.common.usercode import UserCodeError
 from fedmq.compat.actors import Actor, BaseTrainer, Ref, get, remote, unwrap
 
 __all__ = ["Actor", "BaseTrainer", "DataParallelTrainer", "Ref", "get", "remote", "unwrap"]
@@ -165,6 +166,8 @@ class DataParallelTrainer(BaseTrainer):
             return self._trained_workers(result, kwargs)
         try:
             return self._trained_workers(result, kwargs)
+        except UserCodeError:  # the user's own worker code, run here: its error is theirs to see
+            raise
         except (FedmqError, TimeoutError) as exc:
             warnings.warn(f"the trained workers could not be built here ({exc}); train() returns no "
                           "workers: trainer.result.weights() has the synced weights", stacklevel=3)

@@ -102,8 +102,14 @@ class ModelServer:
         if req.client >= job.spec.clients.total or req.round > job.round + 1:
             error = f"no state for client {req.client} in round {req.round}"
             return to_wire(reply.model_copy(update={"error": error}))
+        site = job.spec.clients.site(req.client)
+        if site is not None and user_id not in self.senders.get("learner", frozenset()):
+            # Derived from the site's data: only a learner may ask (and of a listed site, its own).
+            error = f"site_sender: client {req.client} is site {site!r}: its state goes to its learners only"
+            log.warning("message_rejected", reason="site_sender", detail=error[:500])
+            return to_wire(reply.model_copy(update={"error": error}))
         try:
-            check_site_sender(job.spec.clients.site(req.client), user_id, self.users_of_sites)
+            check_site_sender(site, user_id, self.users_of_sites)
         except ValidationError as exc:
             log.warning("message_rejected", reason=exc.reason, detail=exc.detail[:500])
             return to_wire(reply.model_copy(update={"error": f"site_sender: {exc.detail}"}))

@@ -27,7 +27,7 @@ import structlog
 from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.errors import ConfigError
-from fedmq.common.jobspec import JobSpec
+from fedmq.common.jobspec import JobSpec, parse_job
 from fedmq.common.messages import JobCancel, JobEvent, JobSubmit, to_wire
 from fedmq.common.settings import Settings
 from fedmq.common.task.loading import complete_spec
@@ -150,7 +150,7 @@ class Runner:
         """
         if self._cluster is None and self._remote is None and not self._engine:
             raise RuntimeError("use the Runner as a context manager (with fedmq.Runner() as runner: ...)")
-        spec = job if isinstance(job, JobSpec) else JobSpec.model_validate(job)
+        spec = job if isinstance(job, JobSpec) else parse_job(dict(job))  # fedmq's ConfigError, as YAML's
         spec = complete_spec(spec, self._project())
         if self.remote_mode and spec.task.name.startswith("__main__:"):
             raise ConfigError(

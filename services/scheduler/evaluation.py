@@ -94,7 +94,7 @@ class EvaluationLoop(JobLoop):
         if decision is Decision.WAIT:
             return
         if decision is Decision.RETRY:
-            unserved = self._dispatch_eval(job, evaluation.round, evaluation.missing)
+            unserved = self._dispatch_eval(job, evaluation.round, evaluation.retryable)
             evaluation.retry(time.monotonic() + job.spec.round_timeout_s)
             self._drop_unserved(job, evaluation, unserved)
             self._arm_deadline(job)

@@ -208,7 +208,7 @@ class JobLoop:
             state.closing = True
             self._cancel_timers(job)
         elif decision is Decision.RETRY:
-            missing = state.missing
+            missing = state.retryable  # not the clients whose failure another attempt repeats
             log.warning("round_retry", missing=len(missing), retries_left=state.retries_left - 1)
             self.metrics.round_retries.inc()
             unserved = self._dispatch(job, state.round, missing)  # a failure: the message comes again

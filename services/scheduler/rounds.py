@@ -74,6 +74,11 @@ class RoundState:
     def missing(self) -> list[int]:
         return [c for c in self.clients if c not in self.reported]
 
+    @property
+    def retryable(self) -> list[int]:
+        """The missing clients another attempt could bring: not those whose failure it repeats."""
+        return [c for c in self.missing if c not in self.final]
+
     def decide(self, now: float) -> Decision:
         if self.closing:
             return Decision.WAIT
@@ -84,17 +89,17 @@ class RoundState:
             return Decision.WAIT
         if len(self.reported) >= self.quorum:
             return Decision.CLOSE
-        again = any(c not in self.final for c in self.missing)  # a retry could change something
-        return Decision.RETRY if self.retries_left > 0 and again else Decision.FAIL
+        return Decision.RETRY if self.retries_left > 0 and self.retryable else Decision.FAIL
 
     def retry(self, deadline: float) -> list[int]:
         """Start another attempt for the clients still missing, but those whose failure a retry
         repeats (they stay failed); returns them."""
         self.retries_left -= 1
         self.deadline = deadline
+        again = self.retryable
         self.failed = {c: r for c, r in self.failed.items() if c in self.final}
         self.phases = {c: p for c, p in self.phases.items() if c in self.final}
-        return [c for c in self.missing if c not in self.final]
+        return again
 
 
 # A client's failure that every attempt repeats: its data cannot train (none at all). Not retried.

@@ -202,3 +202,23 @@ def test_user_code_that_raises_is_named_at_its_own_line_and_v_prints_its_traceba
     loud = CliRunner().invoke(app, ["run", job, *state, "-v"])
     assert "Traceback (most recent call last)" in loud.output
     assert 'raise ValueError("the loss went wrong")' in loud.output
+
+
+class Open(BaseModel):
+    model_config = {"extra": "allow"}  # asks for keys it does not declare
+
+    width: int = 1
+
+
+class OpenOptions(fedmq.Task):
+    Options = Open
+
+
+def test_options_that_ask_for_extra_keys_keep_them_and_fedmq_run_of_a_dict_says_what_is_wrong(
+    tmp_path: Path
+) -> None:
+    from fedmq.common.errors import ConfigError
+
+    assert OpenOptions(width=2, anything=3).options.model_extra == {"anything": 3}
+    with pytest.raises(ConfigError, match="rouds: unknown key; did you mean 'rounds'"):
+        fedmq.run({"name": "j", "task": "digits", "clients": {"total": 2}, "rouds": 1}, state_dir=tmp_path)

@@ -83,7 +83,8 @@ def test_a_sites_stored_state_goes_to_its_own_users_only() -> None:
     spec = parse_job({"name": "s", "task": "digits", "clients": {"sites": ["a", "b"]}, "rounds": 2})
     nothing = SimpleNamespace(read=lambda client, before: {})
     job = SimpleNamespace(spec=spec, round=1, clients=stored, residuals=nothing)
-    server = ModelServer(bus=None, jobs={"j": job}, senders={},  # type: ignore[arg-type,dict-item]
+    learners = frozenset({"u1", "u2"})
+    server = ModelServer(bus=None, jobs={"j": job}, senders={"learner": learners, "cli": frozenset({"me"})},  # type: ignore[arg-type,dict-item]
                          users_of_sites=Settings(site_users="a:u1").users_of_sites)
 
     def ask(client: int, user: str) -> ClientStateReply:
@@ -94,6 +95,8 @@ def test_a_sites_stored_state_goes_to_its_own_users_only() -> None:
     refused = ask(0, "u2")
     assert refused.state is None and refused.error is not None and refused.error.startswith("site_sender")
     assert ask(1, "u2").error is None  # site b is bound to no user: any learner's
+    for client in (0, 1):  # a CLI user reads logical clients' state, never a site's
+        assert ask(client, "me").state is None and "goes to its learners only" in str(ask(client, "me").error)
 
 
 def test_a_heartbeat_claims_only_the_sites_its_user_may_serve() -> None:
