@@ -94,16 +94,7 @@ class Remote:
         """
         from fedmq.common.messages import ModelGet, ModelReply
 
-        request = to_wire(ModelGet(job_id=job_id, digest=digest))
-        timeout = self.settings.request_timeout_s
-        try:
-            body = self.bus.request(topology.MODEL, request, timeout=timeout)
-        except TimeoutError:
-            raise AggregatorSilent(
-                f"no aggregator answered within {timeout:.0f}s on {self.settings.safe_broker_url}; "
-                "is `fedmq aggregator` running against this broker and vhost?"
-            ) from None
-        reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ModelReply)
+        reply = expect(self._ask_aggregator(to_wire(ModelGet(job_id=job_id, digest=digest))), ModelReply)
         if reply.error or reply.weights is None:
             raise ModelUnavailable(job_id, digest, reply.error or "no weights")
         return dict(reply.weights)
@@ -114,6 +105,14 @@ class Remote:
         from fedmq.common.messages import ClientStateGet, ClientStateReply
 
         request = to_wire(ClientStateGet(job_id=job_id, round=server_round, client=client))
+        reply = expect(self._ask_aggregator(request), ClientStateReply)
+        if reply.error or reply.state is None:
+            raise FedmqError(f"job {job_id}: client {client}'s state unavailable: {reply.error}")
+        return dict(reply.state)
+
+    def _ask_aggregator(self, request: bytes) -> Message:
+        """The aggregator's answer to a request on its model queue (what learners ask too);
+        AggregatorSilent if none comes in FEDMQ_REQUEST_TIMEOUT_S."""
         timeout = self.settings.request_timeout_s
         try:
             body = self.bus.request(topology.MODEL, request, timeout=timeout)
@@ -122,10 +121,7 @@ class Remote:
                 f"no aggregator answered within {timeout:.0f}s on {self.settings.safe_broker_url}; "
                 "is `fedmq aggregator` running against this broker and vhost?"
             ) from None
-        reply = expect(from_wire(body, max_bytes=self.settings.max_message_bytes), ClientStateReply)
-        if reply.error or reply.state is None:
-            raise FedmqError(f"job {job_id}: client {client}'s state unavailable: {reply.error}")
-        return dict(reply.state)
+        return from_wire(body, max_bytes=self.settings.max_message_bytes)
 
     def follow(self, job_id: str) -> JobFollower:
         """Events of one job, subscribed on this connection (started before anything is asked)."""

@@ -260,12 +260,10 @@ def client_failure(task: TrainTask | EvalTask, exc: Exception, learner: str) -> 
         log.warning("user_code_failed", phase=exc.phase, error_type=exc.error_type, error=exc.message[:300])
         error = exc.info("learner", round=task.round, client=task.client, learner=learner)
         code, reason = "user_code", error.line()
-    elif isinstance(exc, ClientDataError):  # the same on every attempt: the round does not retry it
+    elif isinstance(exc, FedmqError):  # no data fails the same on every attempt: not retried
         log.warning("task_failed", error=str(exc))
-        code, reason, error = "no_data", str(exc), None
-    elif isinstance(exc, FedmqError):
-        log.warning("task_failed", error=str(exc))
-        code, reason, error = "invalid", str(exc), None
+        code = "no_data" if isinstance(exc, ClientDataError) else "invalid"
+        reason, error = str(exc), None
     else:
         log.error("task_crashed", error=f"{type(exc).__name__}: {exc}"[:500], exc_info=exc)
         code, reason, error = "error", f"{type(exc).__name__}: {exc}", None

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fedmq.compat.miniray import DataParallelTrainer
+from tests.support.seed002 import living
 
 WORKERS, SYNC = 4, 2
 
@@ -131,25 +132,6 @@ def nearest_distance(worker: GanWorker) -> float:
     return float(torch.cdist(fake, real).min(1).values.mean())
 
 
-def living(make: Any, epochs: int) -> Any:
-    """Seed 002's semantics in one process: workers alive throughout, averaged every SYNC epochs;
-    worker 0 with the last synced weights."""
-    workers = [make(i) for i in range(WORKERS)]
-    for i, worker in enumerate(workers):
-        worker.load_data_shard(i, WORKERS)
-    synced = workers[0].get_weights()
-    for epoch in range(epochs):
-        if epoch % SYNC == 0:
-            for worker in workers:
-                worker.set_weights(synced)
-        for worker in workers:
-            worker.train_epoch(epoch)
-        if epoch % SYNC == SYNC - 1:
-            synced = [torch.stack(ws).mean(0) for ws in zip(*(w.get_weights() for w in workers), strict=True)]
-    workers[0].set_weights(synced)
-    return workers[0]
-
-
 @pytest.mark.slow  # a few seconds of training each: the full tier, not `make test-fast`
 def test_a_regression_worker_with_adam_reaches_the_living_workers_r2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -157,7 +139,7 @@ def test_a_regression_worker_with_adam_reaches_the_living_workers_r2(
     monkeypatch.chdir(tmp_path)
     epochs = 20
     ours = r2(RegressionTrainer(num_workers=WORKERS, sync_interval=SYNC).train(epochs=epochs)["workers"][0])
-    reference = r2(living(RegressionWorker, epochs))
+    reference = r2(living(RegressionWorker, WORKERS, SYNC, epochs))
     print(f"regression R2: fedmq {ours:.4f}, seed-002 semantics {reference:.4f}")
     assert ours >= 0.30 and abs(ours - reference) <= 1e-4, (ours, reference)
 
@@ -171,7 +153,7 @@ def test_a_gan_worker_with_two_adams_reaches_the_living_workers_samples(
     untrained = nearest_distance(GanWorker(0))
     out = GanTrainer(num_workers=WORKERS, sync_interval=SYNC).train(epochs=epochs)
     ours = nearest_distance(out["workers"][0])
-    reference = nearest_distance(living(GanWorker, epochs))
+    reference = nearest_distance(living(GanWorker, WORKERS, SYNC, epochs))
     print(f"GAN nearest-image distance: untrained {untrained:.3f}, fedmq {ours:.3f}, seed-002 semantics "
           f"{reference:.3f}")
     # Not the same bits: the living workers' mean is torch's, fedmq's folds weight by weight.

@@ -15,6 +15,7 @@ from torch import nn
 import fedmq
 from fedmq.compat.miniray import DataParallelTrainer
 from fedmq.tasks.digits import Digits
+from tests.support.seed002 import living
 
 WORKERS, SYNC, EPOCHS = 4, 2, 12
 
@@ -71,18 +72,5 @@ def test_a_batchnorm_cnn_worker_evaluated_through_trained_worker_0_matches_livin
     monkeypatch.chdir(tmp_path)
     out = CnnTrainer(num_workers=WORKERS, sync_interval=SYNC).train(epochs=EPOCHS)
     ours = accuracy(out["workers"][0])
-    living = [CnnWorker(i) for i in range(WORKERS)]
-    for i, worker in enumerate(living):
-        worker.load_data_shard(i, WORKERS)
-    synced = living[0].get_weights()
-    for epoch in range(EPOCHS):
-        if epoch % SYNC == 0:
-            for worker in living:
-                worker.set_weights(synced)
-        for worker in living:
-            worker.train_epoch(epoch)
-        if epoch % SYNC == SYNC - 1:
-            synced = [torch.stack(ws).mean(0) for ws in zip(*(w.get_weights() for w in living), strict=True)]
-    living[0].set_weights(synced)
-    reference = accuracy(living[0])
+    reference = accuracy(living(CnnWorker, WORKERS, SYNC, EPOCHS))
     assert ours >= 0.95 and abs(ours - reference) <= 0.005, (ours, reference)
