@@ -94,6 +94,11 @@ class TrainTask(Message):
     model_digest: str = Field(max_length=128)
     spec: dict[str, Any]
     config: dict[str, Any] = {}  # what the strategy sends this client this round (Strategy.configure)
+    # The client's kept state (learner-made only): the round whose close last folded it (0: none
+    # yet) and the learner whose update that was, which may use its own copy (learner/statecache.py).
+    # None: unknown, fetch it.
+    state_from: NonNegativeInt | None = None
+    state_holder: str = Field("", max_length=256)
 
 
 class EvalTask(Message):
@@ -228,6 +233,7 @@ class UpdateAccepted(Message):
     fetch_seconds: float = 0.0
     fetch_bytes: NonNegativeInt = 0
     bytes: NonNegativeInt = 0  # the update's size on the wire
+    learner: str = Field("", max_length=256)  # who trained it: the scheduler sends the client back there
 
 
 class UpdatesAccepted(Message):

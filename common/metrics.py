@@ -123,6 +123,10 @@ class Metrics:
             "fedmq_learner_model_fetches_total", "Global models fetched over the bus (cache misses)",
             registry=r,
         )
+        self.state_cache = Counter(
+            "fedmq_learner_state_cache_total", "Client state kept by its learner: hit (used, not "
+            "fetched), miss (fetched), spilled (to disk), evicted, too_large", ["event"], registry=r,
+        )
         self.learners_alive = Gauge("fedmq_learners_alive", "Learners heard from recently", registry=r)
         self.learners_busy = Gauge("fedmq_learners_busy", "Alive learners training a task", registry=r)
         self.tasks_in_flight = Gauge(

@@ -142,6 +142,15 @@ class Settings(BaseSettings):
         "optimizer state, a Task's ctx.state) before it goes to the aggregator to be kept; give every "
         "learner the same and never the scheduler or aggregator. Unset: it travels and is kept unsealed",
     )
+    state_cache_bytes: int = Field(
+        256 * 1024**2, ge=0, description="learners: memory for the state of the clients this learner "
+        "trained, reused when the scheduler sends a client back to it (no fetch from the aggregator, "
+        "which keeps the durable copy); the least recently used spill to disk",
+    )
+    state_cache_disk_bytes: int = Field(
+        2 * 1024**3, ge=0, description="learners: disk under FEDMQ_STATE_DIR for client state spilled "
+        "from memory (sealed with FEDMQ_STATE_KEY where set); past it the oldest go, to be fetched again",
+    )
     fuse_memory_bytes: int = Field(
         0, ge=0, description="memory one fused group may use (weights, gradients, optimizer state per "
         "client); 0: a quarter of the device's free memory (the host's available memory on CPU)",

@@ -98,6 +98,9 @@ Config = dict[str, float | int | str | bool]
 PROXIMAL_MU = "proximal_mu"  # FedProx's mu: fedmq's loop adds mu/2·||w − w_global||²
 SCAFFOLD = "scaffold"  # true: fedmq's loop corrects gradients with the client state's controls
 CLIENT_STATE = "client_state"  # true: the learner fetches the client's stored state
+# CLIENT_STATE's value when learners make all of it (the Task's state, topk's residual; no strategy
+# state): the learner that made a client's state may use its own copy (learner/statecache.py).
+LEARNER_STATE = "learner"
 
 
 # One client's new state in `Aggregate.client_state`: the map itself, or a callable making it.

@@ -30,6 +30,7 @@ from fedmq.common.strategy.checks import check_config, check_finite, check_tenso
 from fedmq.common.strategy.clients import ClientStore
 from fedmq.common.strategy.contract import (
     CLIENT_STATE,
+    LEARNER_STATE,
     Aggregate,
     ClientFailed,
     ClientResult,
@@ -328,8 +329,10 @@ def next_config(job: AggJob, server_round: int) -> Config:
         return {}
     with user_code("strategy.configure", round=server_round + 1):
         config = check_config(job.strategy.configure(round_context(job, server_round + 1)))
-    if job.strategy.sends_client_state or keeps_learner_state(job):
-        config[CLIENT_STATE] = True  # the learner fetches the client's state (topk residual, Task's state)
+    if job.strategy.sends_client_state:
+        config[CLIENT_STATE] = True  # the learner fetches the client's state (the strategy's, and its own)
+    elif keeps_learner_state(job):
+        config[CLIENT_STATE] = LEARNER_STATE  # only learners make it (topk residual, Task's state)
     return config
 
 

@@ -384,6 +384,7 @@ class AggregatorService:
                 train_seconds=float(fields.get("train_seconds", 0.0)),
                 fetch_seconds=float(fields.get("fetch_seconds", 0.0)),
                 fetch_bytes=int(fields.get("fetch_bytes", 0)), bytes=job.store.update_size(msg.round, client),
+                learner=str(fields.get("learner", "")),
             ))
         log.info("round_opened", clients=len(msg.clients), stored=len(job.store.stored_clients(msg.round)))
 
@@ -555,7 +556,7 @@ class AggregatorService:
         return UpdateAccepted(
             job_id=msg.job_id, round=msg.round, client=msg.client, num_examples=msg.num_examples,
             metrics=msg.metrics, train_seconds=msg.train_seconds, fetch_seconds=msg.fetch_seconds,
-            fetch_bytes=msg.fetch_bytes, bytes=size,
+            fetch_bytes=msg.fetch_bytes, bytes=size, learner=msg.learner,
         )
 
     def _report(self, closed: RoundClosed) -> None:

@@ -181,6 +181,10 @@ class LearnerService:
             log.warning("message_rejected", reason=exc.reason, detail=exc.detail[:500])
             delivery.reject(str(exc))
             return
+        self._take(task, delivery)
+
+    def _take(self, task: Task, delivery: Delivery) -> None:
+        """A checked task, to the training thread."""
         if delivery.redelivered:
             self.redelivered += 1
             log.info("task_redelivered", job=task.job_id, round=task.round, client=task.client)
@@ -189,10 +193,14 @@ class LearnerService:
         self._tasks.put((task, delivery))
 
     def on_control(self, delivery: Delivery) -> None:
-        """The scheduler's DdpLaunch and DdpStop for this learner."""
+        """The scheduler's DdpLaunch and DdpStop for this learner, and the tasks of clients whose
+        state it keeps (learner/statecache.py)."""
         try:
             msg = from_wire(delivery.body, max_bytes=self.settings.frame_bytes)
             check_sender(msg.type, delivery.user_id, self.settings.role_users)  # type: ignore[attr-defined]
+            if isinstance(msg, TrainTask):
+                self._take(msg, delivery)
+                return
             if not isinstance(msg, DdpLaunch | DdpStop):
                 raise DecodeError(f"unexpected message type {msg.type!r} on a learner's own queue")  # type: ignore[attr-defined]
         except (DecodeError, ValidationError) as exc:

@@ -12,6 +12,7 @@ most `FEDMQ_DATA_CACHE_CLIENTS` clients' data at once (least recently used goes 
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -27,7 +28,13 @@ from torch import nn
 from fedmq.common.allowlist import AllowList, CodeNotAllowed
 from fedmq.common.codec import TensorFile
 from fedmq.common.codec.compress import CompressionSpec, Residual
-from fedmq.common.codec.updates import check_no_prefix, compress_update, split_residual, with_prefix
+from fedmq.common.codec.updates import (
+    check_no_prefix,
+    compress_update,
+    residual_entries,
+    split_residual,
+    with_prefix,
+)
 from fedmq.common.coderefs import check_code
 from fedmq.common.errors import ClientDataError, FedmqError
 from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
@@ -35,7 +42,7 @@ from fedmq.common.messages import ClientFailure, ClientUpdate, EvalReport, EvalT
 from fedmq.common.metrics import Metrics
 from fedmq.common.seeding import secret_seed, torch_generator
 from fedmq.common.settings import Settings
-from fedmq.common.strategy.contract import CLIENT_STATE
+from fedmq.common.strategy.contract import CLIENT_STATE, LEARNER_STATE
 from fedmq.common.task.contract import (
     ClientData,
     EvalContext,
@@ -50,6 +57,7 @@ from fedmq.common.task.runtime import TaskRuntime
 from fedmq.common.task.sealing import StateSealer, still_sealed
 from fedmq.common.task.state import check_state_entries, keeps_state, state_entries, state_limit, state_of
 from fedmq.common.usercode import UserCodeError, user_code
+from fedmq.services.learner.statecache import StateCache
 
 log = structlog.get_logger("fedmq.learner")
 
@@ -305,6 +313,12 @@ class Work:
         # None: unsealed (the engine, whose state never leaves it; a learner without the key)
         self.sealer = sealer
         self.metrics = metrics
+        # The state of clients this learner trained, for when the scheduler sends them back to it.
+        self.kept = StateCache(
+            Path(settings.state_dir) / "learner" / "state-cache" / re.sub(r"[^A-Za-z0-9_-]", "-", name),
+            settings.state_cache_bytes,
+            settings.state_cache_disk_bytes, sealer, lambda event: metrics.state_cache.labels(event).inc(),
+        )
         # DP-SGD's secret (the same on every learner, never on the server); else one of this process's.
         self.dp_key = (settings.dp_key.get_secret_value().encode() if settings.dp_key is not None
                        else secrets.token_bytes(32))
@@ -320,8 +334,7 @@ class Work:
         job = self._job(task.job_id, task.spec)
         started = time.perf_counter()
         weights, fetch_bytes = self._weights(task.job_id, task.model_digest)
-        fetch = task.config.get(CLIENT_STATE)
-        stored = self._stored_state(task.job_id, task.round, task.client) if fetch else {}
+        stored = self._kept_state(task) if task.config.get(CLIENT_STATE) else {}
         client_state, residual = split_residual(stored)  # the strategy's, and compression's own
         fetched = time.perf_counter()
         data = self._client_data(job, task.job_id, task.client)
@@ -335,17 +348,22 @@ class Work:
         try:  # the client's state for its next round rides with the update (common/task/state.py)
             check_no_prefix(result.extras, "TrainResult.extras")
             entries = state_entries(ctx.state) if keeps_state(job.spec, job.runtime.task) else {}
+            sent = entries
             if entries:  # the aggregator's own check, named here
                 check_state_entries(entries, state_limit(state))
                 if self.sealer is not None:
-                    entries = self.sealer.seal(entries, task.job_id, task.client)
-                    check_state_entries(entries, state_limit(state))
+                    sent = self.sealer.seal(entries, task.job_id, task.client)
+                    check_state_entries(sent, state_limit(state))
         except (TypeError, ValueError) as exc:
             raise UserCodeError("train" if has_train(job.runtime.task) else "loss", type(exc).__name__,
                                 str(exc), round=task.round, client=task.client) from None
         update = self._update(job, task, weights, state, result, seconds, fetched - started, fetch_bytes,
                               residual)
-        return update.model_copy(update={"extras": {**update.extras, **entries}}) if entries else update
+        if task.config.get(CLIENT_STATE) == LEARNER_STATE and task.state_from is not None:
+            # Kept here too (the scheduler tracks who holds what), in the clear, as it was made.
+            made = residual_entries({**update.extras, **entries})
+            self.kept.put(task.job_id, task.client, task.round, made)
+        return update.model_copy(update={"extras": {**update.extras, **sent}}) if sent else update
 
     def fusable(self, task: TrainTask) -> bool:
         """Whether this task goes to `train_group`: its job does not refuse fusing (train.fuse: false)
@@ -519,6 +537,18 @@ class Work:
             if not personal_model(job.model, state_of(stored), settings):
                 return {}
         return dict(job.runtime.evaluate(job.model, data, ctx).metrics)
+
+    def _kept_state(self, task: TrainTask) -> dict[str, torch.Tensor]:
+        """The client's state before the task's round: none yet, this learner's own copy of the
+        version the aggregator keeps, or that version fetched (learner/statecache.py)."""
+        if task.config.get(CLIENT_STATE) == LEARNER_STATE and task.state_from is not None:
+            if task.state_from == 0:
+                return {}  # no round has folded this client yet: nothing kept anywhere
+            if task.state_holder == self.name:
+                own = self.kept.get(task.job_id, task.client, task.state_from)
+                if own is not None:
+                    return own
+        return self._stored_state(task.job_id, task.round, task.client)
 
     def _stored_state(self, job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
         """A client's kept state before `server_round` (the strategy's, compression's, the Task's),

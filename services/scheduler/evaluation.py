@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 
 from fedmq.common.messages import EvalReport, EvalTask, RoundClosed, to_wire
-from fedmq.services.scheduler.jobs import COMPLETED, SchedJob
+from fedmq.services.scheduler.jobs import COMPLETED, SchedJob, note_holders
 from fedmq.services.scheduler.loop import JobLoop
 from fedmq.services.scheduler.records import (
     add_eval_sync,
@@ -45,8 +45,10 @@ class EvaluationLoop(JobLoop):
             return
         if self._recorded(job, msg.round):
             return
-        job.model_digest, job.config = msg.model_digest, dict(msg.config)
         state = job.state
+        if state is not None:
+            note_holders(job, msg.clients, state)
+        job.model_digest, job.config = msg.model_digest, dict(msg.config)
         if state is None:  # round 0: the initial model
             record = round_record(msg, job.sync, clients=0, failed=0, seconds=0.0)
         else:

@@ -8,6 +8,7 @@ from typing import Any
 
 from fedmq.common.bus.base import Timer
 from fedmq.common.jobspec import JobSpec
+from fedmq.common.strategy.contract import CLIENT_STATE, LEARNER_STATE
 from fedmq.services.scheduler.rounds import RoundState
 
 RUNNING, COMPLETED, FAILED, CANCELLED = "running", "completed", "failed", "cancelled"
@@ -40,6 +41,9 @@ class SchedJob:
     accepted_at: float = 0.0  # wall clock: the start deadline counts from here, across restarts
     finished_at: float = 0.0  # wall clock: when it completed, failed or was cancelled
     group: dict[str, Any] | None = None  # a DDP job's group: members, attempt, exits (scheduler/ddp.py)
+    # Clients whose learner keeps their state (learner/statecache.py): client → (the round whose
+    # close last folded it, the learner of that update). None: a job from before it was kept.
+    holders: dict[int, tuple[int, str]] | None = None
 
     @property
     def wall_seconds(self) -> float | None:
@@ -52,3 +56,16 @@ class SchedJob:
     def active(self) -> RoundState | None:
         """The bookkeeping whose deadline runs now: the evaluation, else the training round."""
         return self.evaluation if self.evaluation is not None else self.state
+
+
+def keeps_learner_state(job: SchedJob) -> bool:
+    """Whether the job's clients train on state only learners make, so a learner's copy may serve."""
+    return job.holders is not None and job.config.get(CLIENT_STATE) == LEARNER_STATE
+
+
+def note_holders(job: SchedJob, folded: list[int], state: RoundState) -> None:
+    """The round `state` closed, folding `folded`: their state is now that round's, their learner's."""
+    if job.holders is None or job.config.get(CLIENT_STATE) != LEARNER_STATE:
+        return
+    for client in folded:
+        job.holders[client] = (state.round, state.learners.get(client, ""))

@@ -32,7 +32,14 @@ from fedmq.common.messages import (
 from fedmq.common.metrics import Metrics
 from fedmq.common.settings import Settings
 from fedmq.common.stateretry import StateRetry
-from fedmq.services.scheduler.jobs import CANCELLED, COMPLETED, FAILED, RUNNING, SchedJob
+from fedmq.services.scheduler.jobs import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    RUNNING,
+    SchedJob,
+    keeps_learner_state,
+)
 from fedmq.services.scheduler.registry import Registry
 from fedmq.services.scheduler.rounds import Decision, RoundState
 from fedmq.services.scheduler.sampling import sample_clients
@@ -106,10 +113,30 @@ class JobLoop:
             log.warning("sites_unserved", round=state.round,
                         sites=[job.spec.clients.site(c) for c in unserved])
 
-    def _task_queue(self, job: SchedJob, client: int) -> str:
-        """Where a client's task goes: its site's queue, or the shared queue of logical clients."""
+    def _task_queue(self, job: SchedJob, client: int, holder: str = "") -> str:
+        """Where a client's task goes: its site's queue; the queue of the live learner that keeps its
+        state (`holder`); else the shared queue of logical clients."""
         site = job.spec.clients.site(client)
-        return topology.TASKS if site is None else topology.site_queue(site)
+        if site is not None:
+            return topology.site_queue(site)
+        if holder and self.registry.is_alive(holder):
+            return topology.learner_queue(holder)
+        return topology.TASKS
+
+    def _redispatch_held(self, learner: str) -> None:
+        """`learner` died or left: the tasks of running rounds sent to its own queue go to the others."""
+        for job in self.jobs.values():
+            state = job.state
+            if job.status != RUNNING or job.holders is None or state is None or state.closing:
+                continue
+            if job.evaluation is not None or state.round != job.round:
+                continue
+            held = [c for c in state.missing
+                    if c not in state.failed and job.holders.get(c, (0, ""))[1] == learner]
+            if held:
+                log.info("tasks_redispatched", learner=learner, round=state.round, clients=len(held))
+                self._dispatch(job, state.round, held)
+                self.metrics.tasks_redispatched.inc(len(held))
 
     def _dispatch(
         self, job: SchedJob, server_round: int, clients: list[int], first: tuple[str, bytes] | None = None
@@ -118,9 +145,17 @@ class JobLoop:
         broker, not one each); returns the sites' clients not sent (no learner hosts them)."""
         unserved = self._unserved(job, clients)
         messages = [] if first is None else [first]
+        kept = job.holders if keeps_learner_state(job) else None
+        # A learner takes back at most its share of the clients whose state it keeps: the rest go to
+        # the shared queue (their state fetched), so a round is not held by the busiest learner.
+        share = -(-len(clients) // max(1, self.registry.alive_count))
+        taken: dict[str, int] = {}
         for client in clients:
             if client in unserved:
                 continue
+            state_from, holder = kept.get(client, (0, "")) if kept is not None else (None, "")
+            taken[holder] = taken.get(holder, 0) + 1
+            prefer = holder if taken[holder] <= share else ""
             task = TrainTask(
                 job_id=job.job_id,
                 task_id=f"{job.job_id}:{server_round}:{client}",
@@ -129,8 +164,10 @@ class JobLoop:
                 model_digest=job.model_digest,
                 spec=job.raw_spec,
                 config=job.config,
+                state_from=state_from,
+                state_holder=holder,
             )
-            messages.append((self._task_queue(job, client), to_wire(task)))
+            messages.append((self._task_queue(job, client, prefer), to_wire(task)))
         self.bus.publish_all(messages)
         return unserved
 

@@ -186,6 +186,11 @@ class Registry:
         limit = self.dead_after_intervals
         return self._rows(lambda entry: entry.alive and now <= entry.deadline(limit))
 
+    def is_alive(self, learner: str) -> bool:
+        """Whether `learner` was alive at the last sweep."""
+        entry = self._entries.get(learner)
+        return entry is not None and entry.alive
+
     def hosted_sites(self) -> set[str]:
         """The sites some alive learner hosts (as of the last sweep)."""
         return {site for entry in self._entries.values() if entry.alive for site in entry.hb.sites}

@@ -128,6 +128,7 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         try:
             for name in self.registry.sweep(time.monotonic()):
                 log.warning("learner_lost", learner=name, alive=self.registry.alive_count)
+                self._redispatch_held(name)
             self._gauge_fleet()
             self.ddp_tick()
         finally:
@@ -186,7 +187,7 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         state = job.state
         if state is None or state.round != msg.round:
             return
-        if state.record_update(msg.client, msg.num_examples):
+        if state.record_update(msg.client, msg.num_examples, msg.learner):
             add_sync(job.sync, msg)
 
     def _gauge_fleet(self) -> None:
@@ -203,6 +204,7 @@ class SchedulerService(EvaluationLoop, DdpLoop):
             if msg.leaving:
                 self.registry.forget(msg.learner)
                 log.info("learner_left", learner=msg.learner, alive=self.registry.alive_count)
+                self._redispatch_held(msg.learner)
                 return
             bound = self.settings.users_of_sites  # a learner hosts only the sites its user may serve
             sites = [s for s in msg.sites if s not in bound or delivery.user_id in bound[s]]
@@ -294,7 +296,7 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         # Publish before remembering: if the publish fails, the redelivered JobSubmit starts over.
         if spec.ddp is None:  # a DDP job has no model until its rank 0 sends one
             self.bus.publish(topology.AGGREGATOR, to_wire(JobCreate(job_id=msg.job_id, spec=msg.spec)))
-        job = SchedJob(msg.job_id, spec, msg.spec, accepted_at=time.time())
+        job = SchedJob(msg.job_id, spec, msg.spec, accepted_at=time.time(), holders={})
         self.jobs[msg.job_id] = job
         if spec.ddp is not None:
             job.group = new_group(job)
