@@ -99,6 +99,7 @@ class TrainTask(Message):
     # None: unknown, fetch it.
     state_from: NonNegativeInt | None = None
     state_holder: str = Field("", max_length=256)
+    state_tag: str = Field("", max_length=64)  # ... and that update's ClientUpdate.state_tag
 
 
 class EvalTask(Message):
@@ -126,6 +127,8 @@ class ClientUpdate(Message):
     fetch_seconds: float = 0.0  # time spent getting the round's global model
     fetch_bytes: NonNegativeInt = 0  # its size, when it was fetched for this task (not cached)
     learner: str = ""
+    # Names this training's state (a random tag): a learner's own copy serves only the one folded.
+    state_tag: str = Field("", max_length=64)
     weights: dict[str, Any]  # {} when the job compresses its updates: then `delta` and `compression`
     extras: dict[str, Any] = {}  # name -> tensor: what the Task returned beside them (TrainResult.extras)
     # A compressed update (the job's `compression` section): the encoded delta from the round's
@@ -234,6 +237,7 @@ class UpdateAccepted(Message):
     fetch_bytes: NonNegativeInt = 0
     bytes: NonNegativeInt = 0  # the update's size on the wire
     learner: str = Field("", max_length=256)  # who trained it: the scheduler sends the client back there
+    state_tag: str = Field("", max_length=64)  # the stored update's ClientUpdate.state_tag
 
 
 class UpdatesAccepted(Message):

@@ -384,7 +384,7 @@ class AggregatorService:
                 train_seconds=float(fields.get("train_seconds", 0.0)),
                 fetch_seconds=float(fields.get("fetch_seconds", 0.0)),
                 fetch_bytes=int(fields.get("fetch_bytes", 0)), bytes=job.store.update_size(msg.round, client),
-                learner=str(fields.get("learner", "")),
+                learner=str(fields.get("learner", "")), state_tag=str(fields.get("state_tag", "")),
             ))
         log.info("round_opened", clients=len(msg.clients), stored=len(job.store.stored_clients(msg.round)))
 
@@ -408,7 +408,8 @@ class AggregatorService:
                 log.info("update_duplicate", client=msg.client)
             # A duplicate says its size too: the scheduler counts a client's first announcement,
             # and the first may be this one (a group whose store failed part-way, then retried).
-            self._defer(job, delivery, self._accepted(msg, size), kind == "new")
+            accepted = self._accepted(msg, size) if kind == "new" else self._accepted_again(job, msg, size)
+            self._defer(job, delivery, accepted, kind == "new")
             return "deferred"
         if not self._commit(then=delivery):
             return "deferred"  # it waits behind the updates before it
@@ -556,8 +557,17 @@ class AggregatorService:
         return UpdateAccepted(
             job_id=msg.job_id, round=msg.round, client=msg.client, num_examples=msg.num_examples,
             metrics=msg.metrics, train_seconds=msg.train_seconds, fetch_seconds=msg.fetch_seconds,
-            fetch_bytes=msg.fetch_bytes, bytes=size, learner=msg.learner,
+            fetch_bytes=msg.fetch_bytes, bytes=size, learner=msg.learner, state_tag=msg.state_tag,
         )
+
+    def _accepted_again(self, job: AggJob, msg: ClientUpdate, size: int) -> UpdateAccepted:
+        """A duplicate's announcement, naming the stored update's learner and state (the one folded)."""
+        try:
+            fields = job.store.read_update(msg.round, msg.client).fields
+        except Exception:  # not readable as stored: the scheduler then keeps no learner for it
+            return self._accepted(msg, size).model_copy(update={"learner": "", "state_tag": ""})
+        return self._accepted(msg, size).model_copy(update={
+            "learner": str(fields.get("learner", "")), "state_tag": str(fields.get("state_tag", ""))})
 
     def _report(self, closed: RoundClosed) -> None:
         """Tell the scheduler the round is closed (its record is on disk already)."""

@@ -67,6 +67,7 @@ from fedmq.services.learner.work import Work, client_failure
 
 log = structlog.get_logger("fedmq.learner")
 
+CONTROL_PREFETCH = 64  # a learner's own queue: control messages and the tasks sent back to it
 Task = TrainTask | EvalTask
 R = TypeVar("R")
 
@@ -122,8 +123,10 @@ class LearnerService:
         sites = self.settings.site_names
         for name in [topology.site_queue(site) for site in sites] or [topology.TASKS]:
             self.bus.consume(name, self.on_task, prefetch=self.settings.fuse_clients)
-        # Its own queue: the scheduler's launch and stop of a DDP group's rank on this learner.
-        self.bus.consume(topology.learner_queue(self.name), self.on_control, prefetch=4)
+        # Its own queue: the scheduler's launch and stop of a DDP group's rank on this learner, and the
+        # tasks of clients whose state it keeps. Those wait unacked while a rank runs: a window wide
+        # enough that a DdpStop never queues behind them.
+        self.bus.consume(topology.learner_queue(self.name), self.on_control, prefetch=CONTROL_PREFETCH)
         self.bus.call_soon(self._heartbeat)
         log.info("learner_started", learner=self.name, device=str(self.device), sites=list(sites))
 

@@ -1,16 +1,18 @@
 """Client state kept where it was made: a learner's own copy of each client's state, by version.
 
-    Work.train ──▶ task.state_holder is this learner and the cache holds the client at
-                   task.state_from ──▶ hit: the state, no ClientStateGet to the aggregator
+    Work.train ──▶ the cache holds the client with the task's state_tag ──▶ hit: that state, no
+                   ClientStateGet to the aggregator
                └─▶ else ──▶ miss: fetched from the aggregator's durable copy, as before
-    after training ──▶ put(job, client, round, state): the state the update carries
+    after training ──▶ put(job, client, tag, state): the state the update carries, under the
+                       update's random ClientUpdate.state_tag
 
 The aggregator keeps the durable copy of every client's state (what its updates carried, for the
 rounds whose close folded them); this cache is a copy of that copy, trusted only for the version
-the scheduler names: the round whose close last folded the client, and the learner whose update it
-folded (`TrainTask.state_from`, `state_holder`). Any other version, or a client another learner
-trained, is fetched. So a hit gives the same bits as a fetch, and losing the cache (a SIGKILL, an
-eviction) costs a fetch, never a result.
+the scheduler names: the tag of the update whose fold last took the client in
+(`TrainTask.state_tag`). A client trained again (a nudge's duplicate, a stale task, a restarted
+learner) gets a new tag, so only the training the aggregator folded can match. Anything else is
+fetched. So a hit gives the same bits as a fetch, and losing the cache (a SIGKILL, an eviction)
+costs a fetch, never a result.
 
 Memory holds up to FEDMQ_STATE_CACHE_BYTES; the least recently used spill to files under the
 learner's state directory, up to FEDMQ_STATE_CACHE_DISK_BYTES, then go. Spilled state is encoded
@@ -45,15 +47,19 @@ def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+TAG = "fedmq.cache.tag"  # a spilled file's own tag, sealed with its state where the learner seals
+
+
 @dataclass
 class _Kept:
-    round: int
+    tag: str
     state: dict[str, torch.Tensor] | None  # None: spilled to its file
     size: int
 
 
 class StateCache:
-    """Clients' state by (job, client), the round it was made in, bounded in memory and on disk."""
+    """Clients' state by (job, client), tagged with the training that made it, bounded in memory
+    and on disk."""
 
     def __init__(
         self, folder: Path, memory_bytes: int, disk_bytes: int, sealer: StateSealer | None = None,
@@ -72,36 +78,37 @@ class StateCache:
         for stale in self.folder.glob("*.state*") if self.folder.is_dir() else []:
             stale.unlink(missing_ok=True)
 
-    def put(self, job_id: str, client: int, server_round: int, state: Mapping[str, torch.Tensor]) -> None:
-        """The state `client` made training `server_round` (its update's fedmq entries, in the clear)."""
+    def put(self, job_id: str, client: int, tag: str, state: Mapping[str, torch.Tensor]) -> None:
+        """The state `client` made in the training tagged `tag` (its update's fedmq entries, in the
+        clear). A spill that fails (a full disk) drops what it could not write: fetched later."""
         kept = {k: v for k, v in state.items() if k.startswith(RESERVED)}
         size = state_bytes(kept)
         with self._lock:
             self._drop((job_id, client))
+            if not tag:
+                return
             if size > self.memory_bytes and size > self.disk_bytes:
                 self._on_event("too_large")
                 return
-            self._kept[(job_id, client)] = _Kept(server_round, kept, size)
+            self._kept[(job_id, client)] = _Kept(tag, kept, size)
             self._in_memory += size
             self._fit()
 
-    def get(self, job_id: str, client: int, server_round: int) -> dict[str, torch.Tensor] | None:
-        """The client's state made in `server_round`, or None (not here, or another version)."""
+    def get(self, job_id: str, client: int, tag: str) -> dict[str, torch.Tensor] | None:
+        """The client's state of the training tagged `tag`, or None (not here, or another one)."""
         with self._lock:
             kept = self._kept.get((job_id, client))
-            if kept is None or kept.round != server_round:
-                self._on_event("miss")
+            if not tag or kept is None or kept.tag != tag:
                 return None
             self._kept.move_to_end((job_id, client))
             if kept.state is not None:  # copies: training may change its state in place, and fail
                 self._on_event("hit")
                 return {k: v.clone() for k, v in kept.state.items()}
             try:
-                state = self._read(job_id, client)
+                state = self._read(job_id, client, tag)
             except Exception as exc:  # unreadable or tampered with: the durable copy is fetched instead
                 log.warning("state_cache_unreadable", client=client, error=repr(exc)[:300])
                 self._drop((job_id, client))
-                self._on_event("miss")
                 return None
             self._on_event("hit")
             return state
@@ -130,14 +137,21 @@ class StateCache:
                 break
             if kept.state is None:
                 continue
+            written = False
             if kept.size <= self.disk_bytes:
-                self._write(key, kept.state)
-                self._on_disk += kept.size
-            else:
-                del self._kept[key]
+                try:
+                    self._write(key, kept)
+                    written = True
+                except OSError as exc:
+                    log.warning("state_cache_unwritable", error=repr(exc)[:300])
             self._in_memory -= kept.size
             kept.state = None
-            self._on_event("spilled")
+            if written:
+                self._on_disk += kept.size
+                self._on_event("spilled")
+            else:
+                del self._kept[key]
+                self._on_event("evicted")
         for key, kept in list(self._kept.items()):
             if self._on_disk <= self.disk_bytes:
                 break
@@ -159,20 +173,28 @@ class StateCache:
         name = hashlib.sha256(job_id.encode()).hexdigest()[:24]
         return self.folder / f"{name}-{client}.state"
 
-    def _write(self, key: Key, state: dict[str, torch.Tensor]) -> None:
+    def _write(self, key: Key, kept: _Kept) -> None:
+        """The state to its file, with its tag (inside the seal where the learner seals: an older
+        file of the same client put in its place does not open as this one)."""
         job_id, client = key
+        assert kept.state is not None
+        tag = torch.frombuffer(bytearray(kept.tag.encode()), dtype=torch.uint8)
+        state = {**kept.state, TAG: tag}
         if self.sealer is not None:
-            task_state = {k: v for k, v in state.items() if k.startswith(STATE)}
-            others = {k: v for k, v in state.items() if not k.startswith(STATE)}
-            state = others | (self.sealer.seal(task_state, job_id, client) if task_state else {})
+            task_state = {k: v for k, v in state.items() if k.startswith(STATE) or k == TAG}
+            others = {k: v for k, v in state.items() if k not in task_state}
+            state = others | self.sealer.seal(task_state, job_id, client)
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self._path(job_id, client)
         partial = path.with_suffix(".partial")
         partial.write_bytes(encode_state(state))
         os.replace(partial, path)
 
-    def _read(self, job_id: str, client: int) -> dict[str, torch.Tensor]:
+    def _read(self, job_id: str, client: int, tag: str) -> dict[str, torch.Tensor]:
         state = decode_state(self._path(job_id, client).read_bytes())
         if self.sealer is not None:
             state = self.sealer.open(state, job_id, client)
+        found = state.pop(TAG, None)
+        if found is None or bytes(found.numpy().tobytes()) != tag.encode():
+            raise ValueError(f"client {client}'s spilled state is of another training")
         return {k: v.clone() for k, v in state.items()}

@@ -12,6 +12,7 @@ most `FEDMQ_DATA_CACHE_CLIENTS` clients' data at once (least recently used goes 
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 import time
@@ -72,6 +73,12 @@ RANDOM_KEY = (
     "train.dp_sgd's noise comes from a random key of this process: set FEDMQ_DP_KEY, the same on every "
     "learner, for runs that repeat bit for bit and for a redelivered task to draw the same noise"
 )
+
+
+def _folder_name(learner: str) -> str:
+    """A learner's own folder: its name made safe, and a hash of it (`a/b` and `a-b` differ)."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "-", learner)[:64]
+    return f"{safe}-{hashlib.sha256(learner.encode()).hexdigest()[:12]}"
 
 
 def _no_state(job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
@@ -315,7 +322,7 @@ class Work:
         self.metrics = metrics
         # The state of clients this learner trained, for when the scheduler sends them back to it.
         self.kept = StateCache(
-            Path(settings.state_dir) / "learner" / "state-cache" / re.sub(r"[^A-Za-z0-9_-]", "-", name),
+            Path(settings.state_dir) / "learner" / "state-cache" / _folder_name(name),
             settings.state_cache_bytes,
             settings.state_cache_disk_bytes, sealer, lambda event: metrics.state_cache.labels(event).inc(),
         )
@@ -360,9 +367,11 @@ class Work:
         update = self._update(job, task, weights, state, result, seconds, fetched - started, fetch_bytes,
                               residual)
         if task.config.get(CLIENT_STATE) == LEARNER_STATE and task.state_from is not None:
-            # Kept here too (the scheduler tracks who holds what), in the clear, as it was made.
-            made = residual_entries({**update.extras, **entries})
-            self.kept.put(task.job_id, task.client, task.round, made)
+            # Kept here too (the scheduler tracks who holds what), in the clear, under a tag of this
+            # training: the scheduler names it back only if the aggregator folded this very update.
+            tag = secrets.token_hex(16)
+            self.kept.put(task.job_id, task.client, tag, residual_entries({**update.extras, **entries}))
+            update = update.model_copy(update={"state_tag": tag})
         return update.model_copy(update={"extras": {**update.extras, **sent}}) if sent else update
 
     def fusable(self, task: TrainTask) -> bool:
@@ -544,10 +553,10 @@ class Work:
         if task.config.get(CLIENT_STATE) == LEARNER_STATE and task.state_from is not None:
             if task.state_from == 0:
                 return {}  # no round has folded this client yet: nothing kept anywhere
-            if task.state_holder == self.name:
-                own = self.kept.get(task.job_id, task.client, task.state_from)
-                if own is not None:
-                    return own
+            own = self.kept.get(task.job_id, task.client, task.state_tag)
+            if own is not None:
+                return own
+            self.metrics.state_cache.labels("miss").inc()
         return self._stored_state(task.job_id, task.round, task.client)
 
     def _stored_state(self, job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:

@@ -42,8 +42,9 @@ class SchedJob:
     finished_at: float = 0.0  # wall clock: when it completed, failed or was cancelled
     group: dict[str, Any] | None = None  # a DDP job's group: members, attempt, exits (scheduler/ddp.py)
     # Clients whose learner keeps their state (learner/statecache.py): client → (the round whose
-    # close last folded it, the learner of that update). None: a job from before it was kept.
-    holders: dict[int, tuple[int, str]] | None = None
+    # close last folded it, the learner of that update, its state tag). None: not known for every
+    # round (a job from before they were kept, or one whose state is not the learners' alone).
+    holders: dict[int, tuple[int, str, str]] | None = None
 
     @property
     def wall_seconds(self) -> float | None:
@@ -64,8 +65,14 @@ def keeps_learner_state(job: SchedJob) -> bool:
 
 
 def note_holders(job: SchedJob, folded: list[int], state: RoundState) -> None:
-    """The round `state` closed, folding `folded`: their state is now that round's, their learner's."""
-    if job.holders is None or job.config.get(CLIENT_STATE) != LEARNER_STATE:
+    """The round `state` closed, folding `folded`: their state is now that round's, their learner's.
+    A round whose state was not the learners' alone ends the record for good: from then on every
+    state is fetched (a gap would make `state_from` lie)."""
+    if job.holders is None:
+        return
+    if job.config.get(CLIENT_STATE) != LEARNER_STATE:
+        job.holders = None
         return
     for client in folded:
-        job.holders[client] = (state.round, state.learners.get(client, ""))
+        learner, tag = state.learners.get(client, ("", ""))
+        job.holders[client] = (state.round, learner, tag)

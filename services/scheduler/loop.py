@@ -76,7 +76,8 @@ class JobLoop:
         spec = job.spec
         clients = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
         opening = RoundOpen(job_id=job.job_id, round=server_round, clients=clients)
-        unserved = self._dispatch(job, server_round, clients, first=(topology.AGGREGATOR, to_wire(opening)))
+        unserved = self._dispatch(job, server_round, clients, first=(topology.AGGREGATOR, to_wire(opening)),
+                                  to_holders=True)
         job.round, job.sync = server_round, {}
         job.state = RoundState(
             round=server_round,
@@ -115,16 +116,16 @@ class JobLoop:
 
     def _task_queue(self, job: SchedJob, client: int, holder: str = "") -> str:
         """Where a client's task goes: its site's queue; the queue of the live learner that keeps its
-        state (`holder`); else the shared queue of logical clients."""
+        state (`holder`), unless it runs a DDP rank; else the shared queue of logical clients."""
         site = job.spec.clients.site(client)
         if site is not None:
             return topology.site_queue(site)
-        if holder and self.registry.is_alive(holder):
+        if holder and self.registry.is_free(holder):
             return topology.learner_queue(holder)
         return topology.TASKS
 
     def _redispatch_held(self, learner: str) -> None:
-        """`learner` died or left: the tasks of running rounds sent to its own queue go to the others."""
+        """`learner` died or left: the tasks of running rounds sent to its own queue go to the shared one."""
         for job in self.jobs.values():
             state = job.state
             if job.status != RUNNING or job.holders is None or state is None or state.closing:
@@ -132,17 +133,20 @@ class JobLoop:
             if job.evaluation is not None or state.round != job.round:
                 continue
             held = [c for c in state.missing
-                    if c not in state.failed and job.holders.get(c, (0, ""))[1] == learner]
+                    if c not in state.failed and c in job.holders and job.holders[c][1] == learner]
             if held:
                 log.info("tasks_redispatched", learner=learner, round=state.round, clients=len(held))
                 self._dispatch(job, state.round, held)
                 self.metrics.tasks_redispatched.inc(len(held))
 
     def _dispatch(
-        self, job: SchedJob, server_round: int, clients: list[int], first: tuple[str, bytes] | None = None
+        self, job: SchedJob, server_round: int, clients: list[int], first: tuple[str, bytes] | None = None,
+        to_holders: bool = False,
     ) -> list[int]:
         """Send the clients' training tasks, after `first` and together with it (one wait for the
-        broker, not one each); returns the sites' clients not sent (no learner hosts them)."""
+        broker, not one each); returns the sites' clients not sent (no learner hosts them).
+        `to_holders` (a round's first dispatch): a client goes to the learner keeping its state; a
+        task sent again (a nudge, a retry) goes to the shared queue, where any learner takes it."""
         unserved = self._unserved(job, clients)
         messages = [] if first is None else [first]
         kept = job.holders if keeps_learner_state(job) else None
@@ -153,9 +157,9 @@ class JobLoop:
         for client in clients:
             if client in unserved:
                 continue
-            state_from, holder = kept.get(client, (0, "")) if kept is not None else (None, "")
+            state_from, holder, tag = kept.get(client, (0, "", "")) if kept is not None else (None, "", "")
             taken[holder] = taken.get(holder, 0) + 1
-            prefer = holder if taken[holder] <= share else ""
+            prefer = holder if to_holders and taken[holder] <= share else ""
             task = TrainTask(
                 job_id=job.job_id,
                 task_id=f"{job.job_id}:{server_round}:{client}",
@@ -166,6 +170,7 @@ class JobLoop:
                 config=job.config,
                 state_from=state_from,
                 state_holder=holder,
+                state_tag=tag,
             )
             messages.append((self._task_queue(job, client, prefer), to_wire(task)))
         self.bus.publish_all(messages)

@@ -186,10 +186,10 @@ class Registry:
         limit = self.dead_after_intervals
         return self._rows(lambda entry: entry.alive and now <= entry.deadline(limit))
 
-    def is_alive(self, learner: str) -> bool:
-        """Whether `learner` was alive at the last sweep."""
+    def is_free(self, learner: str) -> bool:
+        """Whether `learner` was alive at the last sweep and runs no DDP rank (it takes tasks)."""
         entry = self._entries.get(learner)
-        return entry is not None and entry.alive
+        return entry is not None and entry.alive and not entry.hb.group
 
     def hosted_sites(self) -> set[str]:
         """The sites some alive learner hosts (as of the last sweep)."""

@@ -33,16 +33,17 @@ class RoundState:
     failed: dict[int, str] = field(default_factory=dict)  # client → reason
     phases: dict[int, str] = field(default_factory=dict)  # client → where it failed (for the strategy)
     final: set[int] = field(default_factory=set)  # clients that failed in a way a retry repeats
-    learners: dict[int, str] = field(default_factory=dict)  # client → the learner of its accepted update
+    # client → (the learner of its accepted update, that update's state tag)
+    learners: dict[int, tuple[str, str]] = field(default_factory=dict)
     closing: bool = False
 
-    def record_update(self, client: int, num_examples: int, learner: str = "") -> bool:
+    def record_update(self, client: int, num_examples: int, learner: str = "", state_tag: str = "") -> bool:
         """Count a client's accepted update; False for a duplicate or a stranger."""
         if self.closing or client not in self.clients or client in self.reported:
             return False
         self.reported[client] = num_examples
-        if learner:
-            self.learners[client] = learner
+        if learner and state_tag:
+            self.learners[client] = (learner, state_tag)
         self.failed.pop(client, None)
         self.phases.pop(client, None)
         return True

@@ -187,7 +187,7 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         state = job.state
         if state is None or state.round != msg.round:
             return
-        if state.record_update(msg.client, msg.num_examples, msg.learner):
+        if state.record_update(msg.client, msg.num_examples, msg.learner, msg.state_tag):
             add_sync(job.sync, msg)
 
     def _gauge_fleet(self) -> None:

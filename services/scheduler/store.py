@@ -107,7 +107,7 @@ def _to_row(job: SchedJob) -> dict[str, Any]:
         "best": job.best,
         "error": job.error, "accepted_at": job.accepted_at, "finished_at": job.finished_at,
         "group": job.group,
-        "holders": None if job.holders is None else [[c, r, name] for c, (r, name) in job.holders.items()],
+        "holders": None if job.holders is None else [[c, *held] for c, held in job.holders.items()],
     }
 
 
@@ -120,7 +120,7 @@ def _from_row(row: dict[str, Any]) -> dict[str, Any]:
         "evaluation": _state_from_row(row.get("evaluation")),
         "eval_reports": {int(c): r for c, r in row.get("eval_reports", [])},
         "holders": (None if row.get("holders") is None
-                    else {int(c): (int(r), str(name)) for c, r, name in row["holders"]}),
+                    else {int(c): (int(r), str(name), str(tag)) for c, r, name, tag in row["holders"]}),
     }
 
 
@@ -138,7 +138,7 @@ def _state_row(state: RoundState | None) -> dict[str, Any] | None:
     row["failed"] = [[c, r] for c, r in state.failed.items()]
     row["phases"] = [[c, p] for c, p in state.phases.items()]
     row["final"] = sorted(state.final)
-    row["learners"] = [[c, name] for c, name in state.learners.items()]
+    row["learners"] = [[c, name, tag] for c, (name, tag) in state.learners.items()]
     return row
 
 
@@ -152,5 +152,5 @@ def _state_from_row(row: dict[str, Any] | None) -> RoundState | None:
     row["failed"] = {int(c): str(r) for c, r in row["failed"]}
     row["phases"] = {int(c): str(p) for c, p in row.get("phases", [])}
     row["final"] = {int(c) for c in row.get("final", [])}  # rows written before it: none final
-    row["learners"] = {int(c): str(name) for c, name in row.get("learners", [])}
+    row["learners"] = {int(c): (str(name), str(tag)) for c, name, tag in row.get("learners", [])}
     return RoundState(**row)

@@ -47,76 +47,78 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
-def test_only_the_version_asked_is_served_and_only_fedmqs_entries_are_kept(tmp_path: Path) -> None:
+def test_only_the_training_asked_for_is_served_and_only_fedmqs_entries_are_kept(tmp_path: Path) -> None:
     kept, events = cache(tmp_path, 1 << 20, 1 << 20)
-    kept.put("job", 3, 2, made(3))
-    assert kept.get("job", 3, 1) is None  # the aggregator folded an older version: fetch that one
-    assert kept.get("job", 4, 2) is None and kept.get("other", 3, 2) is None
-    assert_same(kept.get("job", 3, 2) or {}, kept_part(made(3)))
-    assert events == {"miss": 3, "hit": 1}
+    kept.put("job", 3, "first", made(3))
+    kept.put("job", 3, "again", made(3))  # trained again (a nudge's copy): the one folded was "first"
+    assert kept.get("job", 3, "first") is None
+    assert kept.get("job", 4, "again") is None and kept.get("other", 3, "again") is None
+    assert kept.get("job", 3, "") is None  # an update announced without a tag matches nothing
+    assert_same(kept.get("job", 3, "again") or {}, kept_part(made(3)))
+    assert events == {"hit": 1}
 
 
 def test_a_served_state_is_a_copy_training_may_change(tmp_path: Path) -> None:
     kept, _ = cache(tmp_path, 1 << 20, 1 << 20)
-    kept.put("job", 0, 1, made(0))
-    first = kept.get("job", 0, 1)
+    kept.put("job", 0, "t0", made(0))
+    first = kept.get("job", 0, "t0")
     assert first is not None
     for tensor in first.values():
         tensor.add_(1.0)  # an optimizer's buffers move in place; the task may then fail and come again
-    assert_same(kept.get("job", 0, 1) or {}, kept_part(made(0)))
+    assert_same(kept.get("job", 0, "t0") or {}, kept_part(made(0)))
 
 
 def test_over_memory_the_least_recently_used_spill_and_come_back_bit_for_bit(tmp_path: Path) -> None:
     one = state_bytes(kept_part(made(0)))
     kept, events = cache(tmp_path, memory=2 * one, disk=10 * one)
     for client in range(4):
-        kept.put("job", client, 5, made(client))
+        kept.put("job", client, f"t{client}", made(client))
     assert kept.memory_used == 2 * one and kept.disk_used == 2 * one
     assert len(list((tmp_path / "kept").glob("*.state"))) == 2
     for client in range(4):
-        assert_same(kept.get("job", client, 5) or {}, kept_part(made(client)))
+        assert_same(kept.get("job", client, f"t{client}") or {}, kept_part(made(client)))
     assert events["spilled"] == 2 and events["hit"] == 4
 
 
 def test_spilled_task_state_is_sealed_on_disk_and_a_tampered_file_is_fetched_instead(tmp_path: Path) -> None:
     one = state_bytes(kept_part(made(0)))
     kept, events = cache(tmp_path, memory=one, disk=10 * one, sealer=StateSealer(KEY))
-    kept.put("job", 0, 1, made(0))
-    kept.put("job", 1, 1, made(1))  # client 0 goes to disk
+    kept.put("job", 0, "t0", made(0))
+    kept.put("job", 1, "t1", made(1))  # client 0 goes to disk
     (spilled,) = (tmp_path / "kept").glob("*.state")
     raw = spilled.read_bytes()
     clear = made(0)[f"{STATE}t.optimizer.momentum.w"].numpy().tobytes()
     assert clear[:64] not in raw, "a Task's state is never on disk in the clear"
-    assert_same(kept.get("job", 0, 1) or {}, kept_part(made(0)))
+    assert_same(kept.get("job", 0, "t0") or {}, kept_part(made(0)))
 
     data = bytearray(spilled.read_bytes())
     data[-20] ^= 0xFF
     spilled.write_bytes(bytes(data))
-    assert kept.get("job", 0, 1) is None, "a file changed on disk is refused: the durable copy is fetched"
-    assert not spilled.exists() and events["miss"] == 1
-    assert_same(kept.get("job", 1, 1) or {}, kept_part(made(1)))
+    assert kept.get("job", 0, "t0") is None, "a file changed on disk is refused: the durable copy is fetched"
+    assert not spilled.exists() and events["hit"] == 1
+    assert_same(kept.get("job", 1, "t1") or {}, kept_part(made(1)))
 
 
 def test_over_disk_the_oldest_go_and_a_state_larger_than_both_is_not_kept(tmp_path: Path) -> None:
     one = state_bytes(kept_part(made(0)))
     kept, events = cache(tmp_path, memory=one, disk=one)
     for client in range(3):
-        kept.put("job", client, 1, made(client))
-    assert kept.get("job", 0, 1) is None  # evicted: fetched from the aggregator
-    assert kept.get("job", 1, 1) is not None and kept.get("job", 2, 1) is not None
+        kept.put("job", client, f"t{client}", made(client))
+    assert kept.get("job", 0, "t0") is None  # evicted: fetched from the aggregator
+    assert kept.get("job", 1, "t1") is not None and kept.get("job", 2, "t2") is not None
     assert events["evicted"] >= 1
-    kept.put("job", 9, 1, made(9, size=4096))
-    assert kept.get("job", 9, 1) is None and events["too_large"] == 1
+    kept.put("job", 9, "t9", made(9, size=4096))
+    assert kept.get("job", 9, "t9") is None and events["too_large"] == 1
 
 
 def test_a_new_process_never_trusts_files_an_earlier_one_spilled(tmp_path: Path) -> None:
     one = state_bytes(kept_part(made(0)))
     kept, _ = cache(tmp_path, memory=0, disk=10 * one)
-    kept.put("job", 0, 1, made(0))
+    kept.put("job", 0, "t0", made(0))
     assert list((tmp_path / "kept").glob("*.state"))
     again, _ = cache(tmp_path, memory=0, disk=10 * one)
     assert not list((tmp_path / "kept").glob("*.state*"))
-    assert again.get("job", 0, 1) is None
+    assert again.get("job", 0, "t0") is None
 
 
 @pytest.mark.parametrize("sealer", [None, StateSealer(KEY)], ids=["clear", "sealed"])
@@ -124,7 +126,20 @@ def test_close_forgets_everything(tmp_path: Path, sealer: StateSealer | None) ->
     one = state_bytes(kept_part(made(0)))
     kept, _ = cache(tmp_path, memory=one, disk=10 * one, sealer=sealer)
     for client in range(3):
-        kept.put("job", client, 1, made(client))
+        kept.put("job", client, f"t{client}", made(client))
     kept.close()
     assert len(kept) == 0 and kept.memory_used == 0 and kept.disk_used == 0
     assert not list((tmp_path / "kept").glob("*.state"))
+
+
+@pytest.mark.parametrize("sealer", [None, StateSealer(KEY)], ids=["clear", "sealed"])
+def test_an_older_spilled_file_put_back_in_place_is_not_served_as_the_newer(
+    tmp_path: Path, sealer: StateSealer | None
+) -> None:
+    kept, _ = cache(tmp_path, memory=0, disk=1 << 20, sealer=sealer)  # everything spills at once
+    kept.put("job", 0, "round-1", made(0))
+    (path,) = (tmp_path / "kept").glob("*.state")
+    older = path.read_bytes()
+    kept.put("job", 0, "round-2", made(1))
+    path.write_bytes(older)
+    assert kept.get("job", 0, "round-2") is None
