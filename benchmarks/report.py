@@ -56,12 +56,25 @@ def _short(value: object) -> str:
     return json.dumps(value)
 
 
+SCALAR = bool | int | float | str
+
+
+def _fields(value: object, name: str, depth: int) -> list[tuple[str, str]]:
+    """(dotted name, shown value) of a report's numbers, strings, flags and short lists of them."""
+    if isinstance(value, SCALAR):
+        return [(name, str(value))]
+    if isinstance(value, list) and 0 < len(value) <= 10 and all(isinstance(v, SCALAR) for v in value):
+        return [(name, ", ".join(str(v) for v in value))]
+    if isinstance(value, dict) and depth < 3:
+        return [field for key, v in value.items()
+                for field in _fields(v, f"{name}.{key}" if name else str(key), depth + 1)]
+    return []
+
+
 def scalars_table(report: dict[str, Any]) -> str:
-    """A report's top-level numbers, strings and flags; nested parts stay in results.json."""
+    """A report's figures, nested names dotted; longer lists and deeper parts stay in results.json."""
     rows = ["| field | value |", "| --- | --- |"]
-    for key, value in report.items():
-        if isinstance(value, bool | int | float | str):
-            rows.append(f"| `{key}` | {_cell(value)} |")
+    rows += [f"| `{name}` | {_cell(value)} |" for name, value in _fields(report, "", 0)]
     return "\n".join(rows)
 
 
