@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 JOB    ?= examples/digits.yaml
 
-.PHONY: run test test-fast test-soak test-compose install lint bench broker tools clean device-kit
+.PHONY: run test test-fast test-soak test-compose install lint docs bench broker tools clean device-kit
 
 run: $(STAMP)
 	$(BIN)/fedmq run $(JOB)
@@ -16,8 +16,9 @@ run: $(STAMP)
 # services (three workers kept 2 cores 132% busy), and the longest ones must not end the run
 # alone on one worker. TEST_WORKERS=0: serial.
 # Soak tests (a three-node broker cluster, a storm of broker-side closes) run with `make test-soak`.
+# The docs site is built too (seconds): a broken link or a page out of its nav fails the build.
 TEST_WORKERS ?= 4
-test: lint broker tools
+test: lint docs broker tools
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not soak" --durations=25
 
 # Soak tests: minutes of CPU each (tests marked `soak`: a job across a three-node RabbitMQ
@@ -34,16 +35,17 @@ test-fast: $(STAMP)
 
 # The compose stack for real (tests/compose, which `make test` never collects): images built by the
 # compose-local tool (COMPOSE_LOCAL), three learners, kills, down and up. Needs a Docker engine (as
-# root, the tool starts one); skips loudly without. README, "Testing the compose stack".
+# root, the tool starts one); skips loudly without. docs/deployment.md, "Testing the compose stack".
 COMPOSE_LOCAL ?= ../shared/tools/compose-local
 test-compose: $(STAMP)
 	FEDMQ_COMPOSE_LOCAL=$(abspath $(COMPOSE_LOCAL)) $(BIN)/python -m pytest -s tests/compose
 
-# torch first (the CPU wheel), then the project, so pip never reaches for a CUDA build.
+# torch first (the CPU wheel), then the project with its test and docs tools, so pip never
+# reaches for a CUDA build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -60,13 +62,20 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy -p fedmq -p tests
 
+# The docs site (docs/, mkdocs.yml) into build/site; --strict: any warning fails it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# Every benchmark; their results go to benchmarks/results.json and docs/benchmarks.md is rendered
+# from them (also when one failed: the page says which).
 bench: $(STAMP) broker
-	$(BIN)/python benchmarks/all.py
+	$(BIN)/python benchmarks/all.py; status=$$?; \
+	$(BIN)/python benchmarks/report.py --write docs/benchmarks.md; exit $$status
 
 clean:
-	rm -rf $(VENV) .fedmq .pytest_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) .fedmq .pytest_cache .mypy_cache .hypothesis build/site
 
 # What the device tool's GPU machine lacks (fedmq's dependencies as wheels for its Python, Erlang and
-# RabbitMQ), packed into .device/ for scripts/device-check.sh (README, "On a GPU machine").
+# RabbitMQ), packed into .device/ for scripts/device-check.sh (docs/development.md, "On a GPU machine").
 device-kit: $(STAMP)
 	scripts/device-kit.sh $(BIN)/python

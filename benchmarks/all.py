@@ -2,10 +2,12 @@
 
 Each benchmark prints its full report, then one JSON line per target it measures (targets.py).
 At the end this prints those lines again, together, and the same as a Markdown table headed with
-the date and the machine, for the README's performance section. A benchmark that fails is named
-and the others still run; the exit status is then 1.
+the date and the machine, and saves them with each benchmark's full report as one JSON file
+(--save, default benchmarks/results.json), from which `python scripts/render_benchmarks.py` writes
+docs/benchmarks.md. A benchmark that fails is named and the others still run; the exit status is
+then 1.
 
-Usage: python benchmarks/all.py [--only NAME[,NAME...]]   (NAME: a benchmark's file, no .py)
+Usage: python benchmarks/all.py [--only NAME[,NAME...]] [--save PATH]   (NAME: a benchmark's file, no .py)
 
 With 16 cores or more, learner_scaling runs 1, 2, 4 and 8 learners (the goal's 8 against one);
 with fewer, 1 and 2. With a GPU, gpu_round also runs over RabbitMQ.
@@ -86,10 +88,27 @@ def machine() -> str:
     return text
 
 
-def run(name: str, args: list[str]) -> tuple[int, list[dict[str, object]]]:
-    """Run one benchmark, echoing its output; its exit status and target lines."""
+def report_in(output: str) -> dict[str, object] | None:
+    """The benchmark's full report: the first JSON object in its output that is no target line."""
+    decoder = json.JSONDecoder()
+    at = 0
+    while (at := output.find("{", at)) >= 0:
+        if at == 0 or output[at - 1] == "\n":
+            try:
+                value, _ = decoder.raw_decode(output, at)
+            except json.JSONDecodeError:
+                value = None
+            if isinstance(value, dict) and parse(json.dumps(value)) is None:
+                return value
+        at += 1
+    return None
+
+
+def run(name: str, args: list[str]) -> tuple[int, list[dict[str, object]], dict[str, object] | None]:
+    """Run one benchmark, echoing its output; its exit status, target lines and full report."""
     print(f"\n== {name} {' '.join(args)}", flush=True)
     found: list[dict[str, object]] = []
+    output: list[str] = []
     with subprocess.Popen([sys.executable, str(HERE / f"{name}.py"), *args], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, errors="replace", cwd=HERE.parent,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
@@ -100,11 +119,12 @@ def run(name: str, args: list[str]) -> tuple[int, list[dict[str, object]]]:
             for line in proc.stdout:
                 sys.stdout.write(line)
                 sys.stdout.flush()
+                output.append(line)
                 if (target := parse(line)) is not None:
                     found.append({**target, "benchmark": " ".join([f"{name}.py", *args])})
         finally:
             watchdog.cancel()
-    return proc.returncode, found
+    return proc.returncode, found, report_in("".join(output))
 
 
 def table(targets: list[dict[str, object]]) -> str:
@@ -121,7 +141,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated benchmark names")
-    only = {n for n in parser.parse_args().only.split(",") if n}
+    parser.add_argument("--save", type=Path, default=HERE / "results.json",
+                        help="where the results go as JSON (docs/benchmarks.md is rendered from it)")
+    args = parser.parse_args()
+    only = {n for n in args.only.split(",") if n}
     runs = for_this_machine()
     unknown = only - {name for name, _ in runs}
     if unknown:
@@ -130,15 +153,22 @@ def main() -> None:
     began = time.time()
     failed: list[str] = []
     targets: list[dict[str, object]] = []
-    for name, args in runs:
+    reports: dict[str, object] = {}
+    for name, arguments in runs:
         if only and name not in only:
             continue
-        code, found = run(name, args)
+        code, found, report = run(name, arguments)
         targets += found
+        if report is not None:
+            reports[" ".join([f"{name}.py", *arguments])] = report
         if code != 0:
-            failed.append(f"{name} {' '.join(args)} (exit {code})".replace("  ", " "))
+            failed.append(f"{name} {' '.join(arguments)} (exit {code})".replace("  ", " "))
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"\n== issue 16's targets, {when}, {machine()}, {time.time() - began:.0f} s")
+    seconds = round(time.time() - began)
+    args.save.write_text(json.dumps({"when": when, "machine": machine(), "seconds": seconds,
+                                     "only": sorted(only), "failed": failed, "targets": targets,
+                                     "reports": reports}, indent=1) + "\n", encoding="utf-8")
+    print(f"\n== issue 16's targets, {when}, {machine()}, {seconds} s (saved in {args.save})")
     for target in targets:
         print(json.dumps(target))
     print()

@@ -1,7 +1,7 @@
 """Accuracy of every built-in strategy on examples/digits.yaml: one embedded run per case of
 tests/support/strategy_cases.py, with its final and best server accuracy and its wall time.
 
-Prints one JSON object; --markdown prints the README's table instead.
+Prints one JSON object; --markdown prints the table docs/benchmarks.md shows instead.
 Usage: python benchmarks/strategies.py [--rounds N] [--case NAME ...] [--markdown]
        python benchmarks/strategies.py --markdown --from REPORT.json   (a saved report's table)
 """
@@ -53,7 +53,7 @@ def run_case(case: str, rounds: int | None) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The README's table: one row per case."""
+    """The benchmarks page's table: one row per case."""
     lines = [
         "| strategy | options | final accuracy | best accuracy (round) | seconds |",
         "| --- | --- | --- | --- | --- |",
@@ -83,7 +83,7 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, help="rounds per run (default: the example's 30)")
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases")
-    parser.add_argument("--markdown", action="store_true", help="print the README's table")
+    parser.add_argument("--markdown", action="store_true", help="print the benchmarks page's table")
     parser.add_argument("--from", dest="saved", type=Path, help="a report printed before: no runs")
     args = parser.parse_args()
     if args.saved:

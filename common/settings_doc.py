@@ -1,7 +1,8 @@
-"""The README's configuration table, rendered from the Settings class so the two cannot drift.
+"""The configuration page's table (docs/configuration.md), rendered from the Settings class so the
+two cannot drift.
 
-`python -m fedmq.common.settings_doc` prints it; `--write README.md` replaces the table between
-the markers in place. A test fails when the README's copy differs.
+`python -m fedmq.common.settings_doc` prints it; `--write docs/configuration.md` replaces the table
+between the markers in place. A test fails when the page's copy differs.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def render(readme: str) -> str:
-    head, rest = readme.split(BEGIN, 1)
+def render(page: str) -> str:
+    head, rest = page.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
 

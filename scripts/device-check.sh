@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one call of the device tool (README: "On a GPU machine").
+# Every check that needs a GPU, in one call of the device tool (docs/development.md: "On a GPU machine").
 #
 # Here, first:   make device-kit            (.device/: wheels for that machine's Python, RabbitMQ)
 # Then call the device tool's run with      command: bash scripts/device-check.sh

@@ -168,7 +168,7 @@ def unknown_settings(environ: Mapping[str, str]) -> list[str]:
 def make_settings(**overrides: Any) -> Settings:
     """Settings from the environment and the given options; exit 2 naming a bad one."""
     for line in unknown_settings(os.environ):
-        err.print(f"[yellow]warning:[/] {line} (README: Configuration)", highlight=False)
+        err.print(f"[yellow]warning:[/] {line} (docs/configuration.md)", highlight=False)
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except PydanticValidationError as exc:

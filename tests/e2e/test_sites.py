@@ -47,7 +47,7 @@ def _spec(tmp_path: Path) -> Path:
 
 def _add_site_user(vhost: str, name: str, password: str, like: str, sites: list[str]) -> None:
     """A site's own learner user: the deployed learner's permissions, narrowed to its sites' queues
-    (configure and read), as the README's security section tells an operator to do."""
+    (configure and read), as docs/security.md tells an operator to do."""
     rows = subprocess.run(["rabbitmqctl", "-q", "list_permissions", "-p", vhost], capture_output=True,
                           text=True, check=True, timeout=60).stdout.splitlines()
     perms = next(line.split("\t")[1:4] for line in rows if line.split("\t")[0] == like)

@@ -102,15 +102,15 @@ def test_a_users_strategy_raising_fails_the_job_naming_the_strategy_phase_and_ro
     assert [h["round"] for h in result["history"]] == [0, 1]
 
 
-def test_the_readmes_strategy_example_runs_a_job(
+def test_the_docs_strategy_example_runs_a_job(
     settings: Settings, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("import fedmq\n\nclass ClippedMean")
-    (tmp_path / "readme_strategy.py").write_text(readme[start:readme.index("```", start)])
+    page = (REPO / "docs" / "strategies.md").read_text()
+    start = page.index("import fedmq\n\nclass ClippedMean")
+    (tmp_path / "docs_strategy.py").write_text(page[start:page.index("```", start)])
     monkeypatch.syspath_prepend(str(tmp_path))
-    allowed = Settings(**{**settings.model_dump(), "allowed_code": "readme_strategy"})  # as the README says
-    result = run_job(small_job(rounds=2, strategy="readme_strategy:ClippedMean"), allowed, idle_timeout=60)
+    allowed = Settings(**{**settings.model_dump(), "allowed_code": "docs_strategy"})  # as the docs say
+    result = run_job(small_job(rounds=2, strategy="docs_strategy:ClippedMean"), allowed, idle_timeout=60)
     assert result["status"] == "completed", result.get("reason")
     assert strategy_metrics(result) == [{"failed": 0.0}, {"failed": 0.0}]
     assert result["final"]["server.accuracy"] > result["initial"]["server.accuracy"]

@@ -1,5 +1,5 @@
 """Every built-in strategy as it runs on the digits example: the cases the strategy tests and the
-README's accuracy table share. Adding a built-in strategy adds one line here.
+benchmarks page's accuracy table share. Adding a built-in strategy adds one line here.
 
 Each case is the `strategy:` section of examples/digits.yaml for that strategy, with options
 chosen for digits (10 clients, all of them each round).

@@ -97,7 +97,20 @@ def test_a_benchmark_run_keeps_its_targets_through_a_bad_byte_and_a_failure(
         "sys.exit(3)\n"
     )
     monkeypatch.setattr(gather, "HERE", tmp_path)
-    code, found = gather.run("fake", ["--x"])
+    code, found, report = gather.run("fake", ["--x"])
     assert code == 3
     assert found == [{**json.loads(line), "benchmark": "fake.py --x"}]
+    assert report is None  # it printed only a target line
     assert "log \ufffd" in capsys.readouterr().out  # shown as it came, the bad byte replaced
+
+
+def test_a_benchmarks_report_is_its_first_json_object_that_is_no_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gather = _load("all")
+    target = targets.emit("t", "w", figure=2.0, baseline=1.0, unit="s", at_most=3.0)
+    output = (f"log {{not json}}\n{json.dumps(target)}\n"
+              + json.dumps({"rounds": 3, "cases": [{"a": 1}]}, indent=2) + "\n{\"later\": 1}\n")
+    assert gather.report_in(output) == {"rounds": 3, "cases": [{"a": 1}]}
+    assert gather.report_in(f"{json.dumps(target)}\nno report\n") is None

@@ -1,5 +1,6 @@
-"""`fedmq --help` and every command's: a flag shows no value type (no `--json <bool>`); the
-README's command table lists every command, in `fedmq --help`'s order."""
+"""`fedmq --help` and every command's: a flag shows no value type (no `--json <bool>`); the docs'
+command table (docs/cli.md) lists every command, in `fedmq --help`'s order, and the README's
+shorter table lists only commands that exist."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from fedmq.services.cli.main import app
 
 COMMANDS = ["run", "scheduler", "aggregator", "learner", "submit", "watch", "status", "cancel", "learners",
             "gpu-mapping", "model", "plot", "schema"]
+
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def help_of(*command: str) -> str:
@@ -42,8 +46,20 @@ def test_an_option_that_takes_a_value_keeps_its_type() -> None:
     assert "<int>" in rounds
 
 
-def test_the_readmes_command_table_has_every_command_in_help_order() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = readme.split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
-    listed = re.findall(r"^\| `fedmq ([a-z-]+)", table, flags=re.MULTILINE)
+def commands_in_table(text: str) -> list[str]:
+    """The commands of the table under a document's `Commands` heading, in its order."""
+    table = re.split(r"(?:^|\n)#+ Commands\n", text, maxsplit=1)[1]
+    table = re.split(r"\n#+ ", table, maxsplit=1)[0]
+    return re.findall(r"^\| `fedmq ([a-z-]+)", table, flags=re.MULTILINE)
+
+
+def test_the_docs_command_table_has_every_command_in_help_order() -> None:
+    page = (REPO / "docs" / "cli.md").read_text()
+    listed = commands_in_table(page)
     assert listed == list(typer.main.get_command(app).commands) == COMMANDS  # type: ignore[attr-defined]
+
+
+def test_the_readme_lists_five_commands_that_exist_in_help_order() -> None:
+    listed = commands_in_table((REPO / "README.md").read_text())
+    assert len(listed) == 5 and set(listed) <= set(COMMANDS), listed
+    assert listed == [c for c in COMMANDS if c in listed]

@@ -374,16 +374,8 @@ def test_a_boolean_is_not_accepted_as_a_number(tmp_path: Path) -> None:
         load_job(write(tmp_path, "name: j\nclients: {total: 4}\nrounds: true\n"))
 
 
-def test_the_readme_configuration_table_matches_the_settings_class() -> None:
-    from fedmq.common.settings_doc import render
-    from tests.conftest import REPO
-
-    readme = (REPO / "README.md").read_text()
-    assert render(readme) == readme, "run: python -m fedmq.common.settings_doc --write README.md"
-
-
 def test_exponent_numbers_without_a_dot_read_as_floats_as_users_write_them(tmp_path: Path) -> None:
-    """YAML 1.1 reads `1e-5` as a string; a spec means the number (the README writes `delta: 1e-5`)."""
+    """YAML 1.1 reads `1e-5` as a string; a spec means the number (the docs write `delta: 1e-5`)."""
     text = (EXAMPLES / "digits.yaml").read_text()
     text = text.replace("lr: 0.05", "lr: 5e-2").replace(
         "strategy: {name: fedavg}", "strategy: {name: dp_fedavg, options: {delta: 1e-5, clip_norm: 2E0}}"

@@ -1,5 +1,5 @@
 """tests/support/strategy_cases.py covers the built-in strategies exactly: a new built-in without a
-digits case (so missing from the end-to-end test and the README's accuracy table) fails here."""
+digits case (so missing from the end-to-end test and the benchmarks page's accuracy table) fails here."""
 
 from __future__ import annotations
 
@@ -29,12 +29,13 @@ def test_each_case_names_its_own_strategy_and_its_digits_job_is_valid(case: str)
     assert (spec.strategy.name, spec.rounds, spec.train.epochs, spec.name) == (case, 2, 1, f"digits-{case}")
 
 
-def test_the_readmes_accuracy_table_has_a_row_for_every_case() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = readme.index("| strategy | options | final accuracy |")
-    table = readme[start:readme.index("\n\n", start)]
+def test_the_benchmarks_pages_accuracy_table_has_a_row_for_every_case() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    start = page.index("| strategy | options | final accuracy |")
+    table = page[start:page.index("\n\n", start)]
     rows = {line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]}
     assert rows == set(CASES), (
-        f"README's accuracy table lacks {sorted(set(CASES) - rows)}: rerun "
-        "`python benchmarks/strategies.py --markdown` and paste its table"
+        f"docs/benchmarks.md's accuracy table lacks {sorted(set(CASES) - rows)}: rerun "
+        "`python benchmarks/all.py --only strategies` (or `make bench`), then "
+        "`python benchmarks/report.py --write docs/benchmarks.md`"
     )
