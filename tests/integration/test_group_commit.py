@@ -94,7 +94,8 @@ class Cluster:
 
     def updates(self, digest: str, weights: dict[str, torch.Tensor]) -> list[ClientUpdate]:
         return [ClientUpdate(job_id=self.job_id, task_id=f"t{c}", round=1, client=c, base_digest=digest,
-                             num_examples=10, weights={k: v + c for k, v in weights.items()})
+                             num_examples=10, weights={k: v + c for k, v in weights.items()},
+                             learner="L1", state_tag=f"tag{c}")
                 for c in CLIENTS]
 
     def while_busy(self, then: Callable[[], None]) -> None:
@@ -131,11 +132,14 @@ def test_updates_that_arrive_together_are_stored_then_announced_in_one_message(t
         together = cluster.reply()
         assert isinstance(together, UpdatesAccepted), together
         assert announced(together) == CLIENTS
+        assert [(u.learner, u.state_tag) for u in together.updates] == [("L1", f"tag{c}") for c in CLIENTS]
         assert [p.name for p in cluster.stored()] == [f"c{c}.msg" for c in CLIENTS]
-        # A redelivered update is a duplicate: announced again, stored once.
-        cluster.send(updates[2])
+        # A duplicate (here trained again elsewhere): announced again, stored once, and named as
+        # the stored one, whose state is the one kept (learner/statecache.py).
+        cluster.send(updates[2].model_copy(update={"learner": "L2", "state_tag": "tagX"}))  # same size
         again = cluster.reply()
         assert announced(again) == [2] and isinstance(again, UpdateAccepted)
+        assert (again.learner, again.state_tag) == ("L1", "tag2")
         assert again.bytes == together.updates[2].bytes > 0  # its size, as the first time
         cluster.send(RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS))
         closed = cluster.reply()
