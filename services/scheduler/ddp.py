@@ -13,6 +13,10 @@ in seed 003's order, so the ranks are that order's: the master node first, the o
 name, workers by replica. The job's state (group, attempt, exits, checkpoint) lives in its
 row, so a restarted scheduler goes on with it; a group whose members it does not hear from
 within their liveness is torn down and started again like any failed one.
+
+SchedulerService holds one DdpLoop on the shared SchedContext: the sweep calls `tick`, the
+service's handler `exited`, `progress` and `stored`; a job ends, is saved and is announced
+through the context (finish, save, event).
 """
 
 from __future__ import annotations
@@ -23,11 +27,10 @@ from typing import Any
 import structlog
 
 from fedmq.common.bus import topology
-from fedmq.common.bus.base import Bus
 from fedmq.common.messages import DdpExit, DdpLaunch, DdpProgress, DdpStop, DdpStored, to_wire
-from fedmq.common.metrics import Metrics
+from fedmq.services.scheduler.context import SchedContext
 from fedmq.services.scheduler.jobs import COMPLETED, FAILED, RUNNING, SchedJob
-from fedmq.services.scheduler.registry import LearnerInfo, Registry, assign_ranks
+from fedmq.services.scheduler.registry import LearnerInfo, assign_ranks
 
 log = structlog.get_logger("fedmq.scheduler")
 
@@ -41,52 +44,37 @@ def new_group(job: SchedJob) -> dict[str, Any]:
 
 
 class DdpLoop:
-    """DDP groups of SchedulerService, which owns the attributes declared here."""
+    """DDP groups: formed from the registry's learners, watched, restarted or ended through the context."""
 
-    bus: Bus
-    jobs: dict[str, SchedJob]
-    metrics: Metrics
-    registry: Registry
-
-    def _finish(self, job: SchedJob, status: str, reason: str, **data: Any) -> None:
-        raise NotImplementedError  # loop.JobLoop
-
-    def _event(self, job_id: str, kind: Any, round: int | None = None, rounds: int | None = None,
-               data: dict[str, Any] | None = None) -> None:
-        raise NotImplementedError  # loop.JobLoop
-
-    def _save(self, job: SchedJob) -> None:
-        raise NotImplementedError  # loop.JobLoop
+    def __init__(self, ctx: SchedContext) -> None:
+        self.ctx = ctx
 
     # -- forming and launching ---------------------------------------------------------------
 
-    def _hearing_learners(self) -> bool:
-        raise NotImplementedError  # loop.JobLoop
-
-    def ddp_tick(self) -> None:
+    def tick(self) -> None:
         """Each sweep: launch groups that wait for learners, tear down those that lost one.
 
         Not while the scheduler has just started: it has not heard its learners yet, and a group
         that runs on must not be taken for lost (nor a new one formed on too few learners)."""
-        if self._hearing_learners():
+        if self.ctx.hearing_learners():
             return
-        alive = {info.learner for info in self.registry.alive()}
-        for job in list(self.jobs.values()):
+        alive = {info.learner for info in self.ctx.registry.alive()}
+        for job in list(self.ctx.jobs.values()):
             if job.status != RUNNING or job.group is None:
                 continue
             group = job.group
             if not group["members"]:
                 if self._launch(job):
-                    self._save(job)
+                    self.ctx.save(job)
                 continue
             lost = sorted(name for name in group["members"] if name not in alive)
             if lost:
                 member = group["members"][lost[0]]
                 self._group_failed(job, member["rank"], member["node"], f"its learner {lost[0]} was lost")
-                self._save(job)
+                self.ctx.save(job)
 
     def _busy_learners(self) -> set[str]:
-        return {name for job in self.jobs.values() if job.status == RUNNING and job.group
+        return {name for job in self.ctx.jobs.values() if job.status == RUNNING and job.group
                 for name in job.group["members"]}
 
     def _launch(self, job: SchedJob) -> bool:
@@ -94,7 +82,7 @@ class DdpLoop:
         spec, group = job.spec.ddp, job.group
         assert spec is not None and group is not None
         taken = self._busy_learners()
-        free = [info for info in self.registry.alive()
+        free = [info for info in self.ctx.registry.alive()
                 if info.learner not in taken and not info.busy and not info.group
                 and (not spec.nodes or info.node in spec.nodes)]
         if len(free) < spec.world_size:
@@ -117,12 +105,12 @@ class DdpLoop:
                 master_port=spec.master_port, backend=backend, spec=job.raw_spec,
                 resume_digest=group["checkpoint"],
             )
-            self.bus.publish(topology.learner_queue(info.learner), to_wire(launch))
+            self.ctx.bus.publish(topology.learner_queue(info.learner), to_wire(launch))
         job.round = 1
         log.info("ddp_launched", attempt=group["attempt"], master=master_addr, backend=backend,
                  members={name: m["rank"] for name, m in group["members"].items()},
                  resume=group["checkpoint"][:12])
-        self._event(job.job_id, "round_started", round=1, data={
+        self.ctx.event(job.job_id, "round_started", round=1, data={
             "clients": spec.world_size, "attempt": group["attempt"],
             "ranks": {name: m["rank"] for name, m in group["members"].items()},
         })
@@ -130,7 +118,7 @@ class DdpLoop:
 
     # -- what the learners and the aggregator say --------------------------------------------
 
-    def ddp_exit(self, job: SchedJob, msg: DdpExit) -> None:
+    def exited(self, job: SchedJob, msg: DdpExit) -> None:
         group = job.group
         if group is None or msg.attempt != group["attempt"] or not group["members"]:
             log.info("ddp_exit_stale", attempt=msg.attempt, rank=msg.rank)
@@ -148,7 +136,7 @@ class DdpLoop:
             return
         self._maybe_done(job)
 
-    def ddp_progress(self, job: SchedJob, msg: DdpProgress) -> None:
+    def progress(self, job: SchedJob, msg: DdpProgress) -> None:
         """A rank's output lines and rank 0's reports: to the job's watchers, its row, Prometheus."""
         group = job.group
         current = group is not None and msg.attempt == group["attempt"]
@@ -162,14 +150,14 @@ class DdpLoop:
             kept.extend(reports)
             del kept[:-KEPT_REPORTS]
             last = reports[-1]
-            self.metrics.ddp_step.labels(job.job_id).set(last["step"])
-            self.metrics.round_metrics(job.job_id, {"train": last["metrics"]})
-        self._event(job.job_id, "progress", round=job.round, data={
+            self.ctx.metrics.ddp_step.labels(job.job_id).set(last["step"])
+            self.ctx.metrics.round_metrics(job.job_id, {"train": last["metrics"]})
+        self.ctx.event(job.job_id, "progress", round=job.round, data={
             "rank": msg.rank, "node": msg.node, "attempt": msg.attempt, "lines": msg.lines,
             "dropped": msg.dropped, "reports": reports,
         })
 
-    def ddp_stored(self, job: SchedJob, msg: DdpStored) -> None:
+    def stored(self, job: SchedJob, msg: DdpStored) -> None:
         group = job.group
         if group is None or msg.attempt != group["attempt"]:
             return
@@ -195,9 +183,9 @@ class DdpLoop:
             "attempts": group["attempt"] + 1,
         }
         job.history.append(record)
-        self._event(job.job_id, "round_completed", round=1, data=record)
+        self.ctx.event(job.job_id, "round_completed", round=1, data=record)
         group["members"] = {}
-        self._finish(job, COMPLETED, "", model_path=record["model_path"])
+        self.ctx.finish(job, COMPLETED, "", model_path=record["model_path"])
 
     def _group_failed(self, job: SchedJob, rank: int, node: str, reason: str) -> None:
         """Tear the group down; start it again from the last checkpoint, or fail the job."""
@@ -205,11 +193,11 @@ class DdpLoop:
         assert group is not None and job.spec.ddp is not None
         for name in group["members"]:
             stop = DdpStop(job_id=job.job_id, attempt=group["attempt"])
-            self.bus.publish(topology.learner_queue(name), to_wire(stop))
+            self.ctx.bus.publish(topology.learner_queue(name), to_wire(stop))
         used = job.spec.ddp.max_restarts - group["restarts_left"]
         if group["restarts_left"] <= 0:
             group["members"] = {}
-            self._finish(job, FAILED, (
+            self.ctx.finish(job, FAILED, (
                 f"DDP rank {rank} on node {node} failed: {reason}; {used} of {job.spec.ddp.max_restarts} "
                 "restarts used (ddp.max_restarts)"
             ))

@@ -6,7 +6,10 @@
                               └─▶ history, best round, event round_completed, round r + 1 or the end
 
 A federated evaluation below its quorum with no retries left does not fail the job: the round's
-record goes on without federated metrics (logged). A mixin of SchedulerService, over JobLoop.
+record goes on without federated metrics (logged). SchedulerService holds one EvaluationLoop on the
+shared SchedContext; it opens the next round through the RoundLoop it is given (and sends its tasks
+and arms its deadlines with that loop's helpers), and that loop calls back `dispatch` and `advance`
+when an evaluation's nudge or deadline comes.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from typing import Any
 import structlog
 
 from fedmq.common.messages import EvalReport, EvalTask, RoundClosed, to_wire
+from fedmq.services.scheduler.context import SchedContext, cancel_timers
 from fedmq.services.scheduler.jobs import COMPLETED, SchedJob, note_holders
-from fedmq.services.scheduler.loop import JobLoop
+from fedmq.services.scheduler.loop import RoundLoop
 from fedmq.services.scheduler.records import (
     add_eval_sync,
     better,
@@ -33,8 +37,12 @@ from fedmq.services.scheduler.rounds import Decision, RoundState
 log = structlog.get_logger("fedmq.scheduler")
 
 
-class EvaluationLoop(JobLoop):
+class EvaluationLoop:
     """Closed rounds, their federated evaluation, the history and the best round."""
+
+    def __init__(self, ctx: SchedContext, rounds: RoundLoop) -> None:
+        self.ctx = ctx
+        self.rounds = rounds
 
     def round_closed(self, job: SchedJob, msg: RoundClosed) -> None:
         if msg.round != job.round or job.evaluation is not None:
@@ -67,15 +75,15 @@ class EvaluationLoop(JobLoop):
         fed = job.spec.evaluate.federated
         assert fed is not None
         clients = eval_clients(job.spec, record["round"])
-        unserved = self._dispatch_eval(job, record["round"], clients)
+        unserved = self.dispatch(job, record["round"], clients)
         job.pending, job.eval_reports = record, {}
         job.evaluation = RoundState(
             round=record["round"], clients=clients, quorum=min(fed.quorum, len(clients)),
             deadline=time.monotonic() + job.spec.round_timeout_s, retries_left=job.spec.max_round_retries,
             started=time.monotonic(),
         )
-        self._drop_unserved(job, job.evaluation, unserved)
-        self._arm_deadline(job)
+        self.rounds.drop_unserved(job, job.evaluation, unserved)
+        self.rounds.arm_deadline(job)
 
     def eval_report(self, job: SchedJob, msg: EvalReport) -> None:
         evaluation = job.evaluation
@@ -87,19 +95,19 @@ class EvaluationLoop(JobLoop):
             job.eval_reports[msg.client] = report_entry(msg)
             if job.pending is not None:  # the model a learner fetched to evaluate counts in the round's sync
                 add_eval_sync(job.pending.setdefault("sync", {}), msg)
-            self._advance_evaluation(job)
+            self.advance(job)
 
-    def _advance_evaluation(self, job: SchedJob) -> None:
+    def advance(self, job: SchedJob) -> None:
         evaluation, record = job.evaluation, job.pending
         assert evaluation is not None and record is not None
         decision = evaluation.decide(time.monotonic())
         if decision is Decision.WAIT:
             return
         if decision is Decision.RETRY:
-            unserved = self._dispatch_eval(job, evaluation.round, evaluation.retryable)
+            unserved = self.dispatch(job, evaluation.round, evaluation.retryable)
             evaluation.retry(time.monotonic() + job.spec.round_timeout_s)
-            self._drop_unserved(job, evaluation, unserved)
-            self._arm_deadline(job)
+            self.rounds.drop_unserved(job, evaluation, unserved)
+            self.rounds.arm_deadline(job)
             return
         if decision is Decision.CLOSE:
             record["metrics"].update(evaluated(job.eval_reports))
@@ -108,13 +116,13 @@ class EvaluationLoop(JobLoop):
                         quorum=evaluation.quorum)
         record["evaluated_by"] = len(evaluation.reported)
         job.evaluation, job.pending, job.eval_reports = None, None, {}
-        self._cancel_timers(job)
+        cancel_timers(job)
         self._complete_round(job, record)
 
-    def _dispatch_eval(self, job: SchedJob, server_round: int, clients: list[int]) -> list[int]:
-        unserved = self._unserved(job, clients)
-        self.bus.publish_all([
-            (self._task_queue(job, client), to_wire(EvalTask(
+    def dispatch(self, job: SchedJob, server_round: int, clients: list[int]) -> list[int]:
+        unserved = self.rounds.unserved(job, clients)
+        self.ctx.bus.publish_all([
+            (self.rounds.task_queue(job, client), to_wire(EvalTask(
                 job_id=job.job_id, task_id=f"{job.job_id}:e{server_round}:{client}", round=server_round,
                 client=client, model_digest=job.model_digest, spec=job.raw_spec,
             )))
@@ -128,15 +136,15 @@ class EvaluationLoop(JobLoop):
         best = better(job.spec, record, job.best)
         if best is not None:
             job.best = best
-        self._event(job.job_id, "round_completed", round=record["round"], data=record)
+        self.ctx.event(job.job_id, "round_completed", round=record["round"], data=record)
         self._gauge_round(job, record)
         self._go_on(job, record)
 
     def _go_on(self, job: SchedJob, record: dict[str, Any]) -> None:
         if record["round"] >= job.spec.rounds:
-            self._finish(job, COMPLETED, "", model_path=record.get("model_path"), best=job.best)
+            self.ctx.finish(job, COMPLETED, "", model_path=record.get("model_path"), best=job.best)
         else:
-            self.start_round(job, record["round"] + 1)
+            self.rounds.start_round(job, record["round"] + 1)
 
     def _recorded(self, job: SchedJob, server_round: int) -> bool:
         """A round recorded whose next one never started (a publish failed): start it now.
@@ -151,7 +159,7 @@ class EvaluationLoop(JobLoop):
         return True
 
     def _gauge_round(self, job: SchedJob, record: dict[str, Any]) -> None:
-        m = self.metrics
+        m = self.ctx.metrics
         m.current_round.labels(job.job_id).set(record["round"])
         if "federated" in record["metrics"]:  # the aggregator exports the sources it computes
             m.round_metrics(job.job_id, {"federated": record["metrics"]["federated"]})

@@ -5,69 +5,55 @@
     near a round's deadline: tasks still missing go out again (nudge)
     no round 1 by FEDMQ_JOB_START_TIMEOUT_S after acceptance: the job fails
 
-A mixin of SchedulerService, which owns the attributes declared here.
+SchedulerService holds one RoundLoop, built on the shared SchedContext. The deadlines it arms
+run whatever is active when they fire: the training round, or the federated evaluation of the
+round just closed, which it reaches through the two callbacks it is given (evaluation.py's
+EvaluationLoop.dispatch and .advance); the evaluation loop calls back start_round and the
+dispatch helpers here.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Any
+from collections.abc import Callable
 
 import structlog
 
 from fedmq.common.bus import topology
-from fedmq.common.bus.base import Bus
-from fedmq.common.errors import StateUnwritable
 from fedmq.common.messages import (
-    DdpStop,
-    EventKind,
     FailedClient,
-    JobEvent,
     RoundClose,
     RoundOpen,
     TrainTask,
     to_wire,
 )
-from fedmq.common.metrics import Metrics
-from fedmq.common.settings import Settings
-from fedmq.common.stateretry import StateRetry
+from fedmq.services.scheduler.context import SchedContext, cancel_timers
 from fedmq.services.scheduler.jobs import (
-    CANCELLED,
-    COMPLETED,
     FAILED,
     RUNNING,
     SchedJob,
     keeps_learner_state,
 )
-from fedmq.services.scheduler.registry import Registry
 from fedmq.services.scheduler.rounds import Decision, RoundState
 from fedmq.services.scheduler.sampling import sample_clients
-from fedmq.services.scheduler.store import JobRows
 
 log = structlog.get_logger("fedmq.scheduler")
 
 NUDGE_BEFORE = 0.2  # re-dispatch missing tasks when this share of the round's time is left
 
+# The evaluation loop's: send a round's EvalTasks (returns the clients not sent), and move it on.
+DispatchEval = Callable[[SchedJob, int, list[int]], list[int]]
+AdvanceEval = Callable[[SchedJob], None]
 
-class JobLoop:
-    """Rounds, deadlines and the end of every job; SchedulerService supplies the attributes below."""
 
-    settings: Settings
-    bus: Bus
-    metrics: Metrics
-    jobs: dict[str, SchedJob]
-    rows: JobRows
-    retry: StateRetry
+class RoundLoop:
+    """Rounds, their tasks and deadlines, and the start deadline of every job."""
 
-    registry: Registry
-    grace_until: float  # monotonic: until then, no site counts as unserved (see _hearing_learners)
-
-    def _dispatch_eval(self, job: SchedJob, server_round: int, clients: list[int]) -> list[int]:
-        raise NotImplementedError  # evaluation.EvaluationLoop
-
-    def _advance_evaluation(self, job: SchedJob) -> None:
-        raise NotImplementedError  # evaluation.EvaluationLoop
+    def __init__(self, ctx: SchedContext, dispatch_eval: DispatchEval, advance_eval: AdvanceEval) -> None:
+        self.ctx = ctx
+        self.dispatch_eval = dispatch_eval
+        self.advance_eval = advance_eval
 
     def start_round(self, job: SchedJob, server_round: int) -> None:
         """Open a round. Everything is published before the job's state moves on, so a
@@ -87,46 +73,40 @@ class JobLoop:
             retries_left=spec.max_round_retries,
             started=time.monotonic(),
         )
-        self._drop_unserved(job, job.state, unserved)
-        self._arm_deadline(job)
-        self._event(job.job_id, "round_started", round=server_round, data={"clients": len(clients)})
+        self.drop_unserved(job, job.state, unserved)
+        self.arm_deadline(job)
+        self.ctx.event(job.job_id, "round_started", round=server_round, data={"clients": len(clients)})
 
-    def _unserved(self, job: SchedJob, clients: list[int]) -> list[int]:
+    def unserved(self, job: SchedJob, clients: list[int]) -> list[int]:
         """The clients that are sites no alive learner hosts: their tasks are not sent this time."""
-        if job.spec.clients.sites is None or self._hearing_learners():
+        if job.spec.clients.sites is None or self.ctx.hearing_learners():
             return []
-        hosted = self.registry.hosted_sites()
+        hosted = self.ctx.registry.hosted_sites()
         return [c for c in clients if job.spec.clients.site(c) not in hosted]
 
-    def _hearing_learners(self) -> bool:
-        """Just started: an alive learner beats every FEDMQ_LIVENESS_S, so until then (and a half)
-        its heartbeat may not have come, and no site counts as unserved: its tasks wait in its queue,
-        and the round's deadline drops a site that is really gone."""
-        return time.monotonic() < self.grace_until
-
-    def _drop_unserved(self, job: SchedJob, state: RoundState, unserved: list[int]) -> None:
+    def drop_unserved(self, job: SchedJob, state: RoundState, unserved: list[int]) -> None:
         """Sites without a live learner are dropped clients of this attempt, visibly, under the quorum."""
         for client in unserved:
             site = job.spec.clients.site(client)
             state.record_failure(client, f"no_site_learner: no live learner hosts site {site}", "placement")
-            self.metrics.client_failures.labels("no_site_learner").inc()
+            self.ctx.metrics.client_failures.labels("no_site_learner").inc()
         if unserved:
             log.warning("sites_unserved", round=state.round,
                         sites=[job.spec.clients.site(c) for c in unserved])
 
-    def _task_queue(self, job: SchedJob, client: int, holder: str = "") -> str:
+    def task_queue(self, job: SchedJob, client: int, holder: str = "") -> str:
         """Where a client's task goes: its site's queue; the queue of the live learner that keeps its
         state (`holder`), unless it runs a DDP rank; else the shared queue of logical clients."""
         site = job.spec.clients.site(client)
         if site is not None:
             return topology.site_queue(site)
-        if holder and self.registry.is_free(holder):
+        if holder and self.ctx.registry.is_free(holder):
             return topology.learner_queue(holder)
         return topology.TASKS
 
-    def _redispatch_held(self, learner: str) -> None:
+    def redispatch_held(self, learner: str) -> None:
         """`learner` died or left: the tasks of running rounds sent to its own queue go to the shared one."""
-        for job in self.jobs.values():
+        for job in self.ctx.jobs.values():
             state = job.state
             if job.status != RUNNING or job.holders is None or state is None or state.closing:
                 continue
@@ -137,7 +117,7 @@ class JobLoop:
             if held:
                 log.info("tasks_redispatched", learner=learner, round=state.round, clients=len(held))
                 self._dispatch(job, state.round, held)
-                self.metrics.tasks_redispatched.inc(len(held))
+                self.ctx.metrics.tasks_redispatched.inc(len(held))
 
     def _dispatch(
         self, job: SchedJob, server_round: int, clients: list[int], first: tuple[str, bytes] | None = None,
@@ -147,12 +127,12 @@ class JobLoop:
         broker, not one each); returns the sites' clients not sent (no learner hosts them).
         `to_holders` (a round's first dispatch): a client goes to the learner keeping its state; a
         task sent again (a nudge, a retry) goes to the shared queue, where any learner takes it."""
-        unserved = self._unserved(job, clients)
+        unserved = self.unserved(job, clients)
         messages = [] if first is None else [first]
         kept = job.holders if keeps_learner_state(job) else None
         # A learner takes back at most its share of the clients whose state it keeps: the rest go to
         # the shared queue (their state fetched), so a round is not held by the busiest learner.
-        share = -(-len(clients) // max(1, self.registry.alive_count))
+        share = -(-len(clients) // max(1, self.ctx.registry.alive_count))
         taken: dict[str, int] = {}
         for client in clients:
             if client in unserved:
@@ -172,31 +152,26 @@ class JobLoop:
                 state_holder=holder,
                 state_tag=tag,
             )
-            messages.append((self._task_queue(job, client, prefer), to_wire(task)))
-        self.bus.publish_all(messages)
+            messages.append((self.task_queue(job, client, prefer), to_wire(task)))
+        self.ctx.bus.publish_all(messages)
         return unserved
 
-    def _cancel_timers(self, job: SchedJob) -> None:
-        for timer in (job.timer, job.nudge):
-            if timer is not None:
-                timer.cancel()
-
-    def _arm_deadline(self, job: SchedJob) -> None:
+    def arm_deadline(self, job: SchedJob) -> None:
         """Timers for what runs now: the training round, or the evaluation of the round just closed."""
-        self._cancel_timers(job)
+        cancel_timers(job)
         active = job.active
         assert active is not None
         delay = max(0.0, active.deadline - time.monotonic())
         server_round = active.round
-        job.timer = self.bus.call_later(delay, lambda: self._on_deadline(job.job_id, server_round))
+        job.timer = self.ctx.bus.call_later(delay, lambda: self._on_deadline(job.job_id, server_round))
         # Near the deadline, tasks still missing go out again with the same ids: a learner that
         # froze (no broker redelivery yet) should not cost the round its quorum. Duplicates are ignored.
         nudge_in = delay - NUDGE_BEFORE * job.spec.round_timeout_s
         if nudge_in > 0:
-            job.nudge = self.bus.call_later(nudge_in, lambda: self._on_nudge(job.job_id, server_round))
+            job.nudge = self.ctx.bus.call_later(nudge_in, lambda: self._on_nudge(job.job_id, server_round))
 
     def _on_nudge(self, job_id: str, server_round: int) -> None:
-        job = self.jobs.get(job_id)
+        job = self.ctx.jobs.get(job_id)
         active = job.active if job is not None and job.status == RUNNING else None
         if job is None or active is None or active.round != server_round:
             return
@@ -205,114 +180,83 @@ class JobLoop:
             return
         log.info("round_redispatch", round=server_round, missing=len(missing))
         if job.evaluation is not None:
-            unserved = self._dispatch_eval(job, server_round, missing)
+            unserved = self.dispatch_eval(job, server_round, missing)
         else:
             unserved = self._dispatch(job, server_round, missing)
-        self.metrics.tasks_redispatched.inc(len(missing) - len(unserved))
-        self._drop_unserved(job, active, unserved)
+        self.ctx.metrics.tasks_redispatched.inc(len(missing) - len(unserved))
+        self.drop_unserved(job, active, unserved)
 
     def _on_deadline(self, job_id: str, server_round: int) -> None:
-        job = self.jobs.get(job_id)
+        job = self.ctx.jobs.get(job_id)
         active = job.active if job is not None and job.status == RUNNING else None
         if job is None or active is None or active.round != server_round:
             return
         try:
             if job.evaluation is not None:
-                self._advance_evaluation(job)
+                self.advance_eval(job)
             else:
-                self._advance(job)
+                self.advance(job)
         except Exception:
             # A timer has no message to be redelivered: look again shortly.
-            job.timer = self.bus.call_later(1.0, functools.partial(self._on_deadline, job_id, server_round))
+            again = functools.partial(self._on_deadline, job_id, server_round)
+            job.timer = self.ctx.bus.call_later(1.0, again)
             raise
-        self._save(job)
+        self.ctx.save(job)
 
-    def _save(self, job: SchedJob) -> None:
-        """Persist what a timer changed (no message will come again): retried until the disk takes it."""
-        try:
-            self.rows.save(job)
-        except StateUnwritable as exc:
-            self.retry.later(exc, functools.partial(self._save, job))
-
-    def _advance(self, job: SchedJob) -> None:
+    def advance(self, job: SchedJob) -> None:
         state = job.state
         assert state is not None
         decision = state.decide(time.monotonic())
         if decision is Decision.CLOSE:
             clients = sorted(state.reported)
             if len(clients) < len(state.clients):
-                self.metrics.rounds_closed_at_deadline.inc()
+                self.ctx.metrics.rounds_closed_at_deadline.inc()
             log.info("round_closing", reported=len(clients), sampled=len(state.clients),
                      failed=len(state.failed))
-            self.bus.publish(  # first: if it fails, the message that got us here comes again
+            self.ctx.bus.publish(  # first: if it fails, the message that got us here comes again
                 topology.AGGREGATOR, to_wire(round_close(job.job_id, state, kept_checkpoints(job))),
             )
             state.closing = True
-            self._cancel_timers(job)
+            cancel_timers(job)
         elif decision is Decision.RETRY:
             missing = state.retryable  # not the clients whose failure another attempt repeats
             log.warning("round_retry", missing=len(missing), retries_left=state.retries_left - 1)
-            self.metrics.round_retries.inc()
+            self.ctx.metrics.round_retries.inc()
             unserved = self._dispatch(job, state.round, missing)  # a failure: the message comes again
             state.retry(time.monotonic() + job.spec.round_timeout_s)
-            self._drop_unserved(job, state, unserved)
-            self._arm_deadline(job)
+            self.drop_unserved(job, state, unserved)
+            self.arm_deadline(job)
         elif decision is Decision.FAIL:
             reasons = sorted(set(state.failed.values()))[:3]
-            nobody = "" if self.registry.alive_count else (
+            nobody = "" if self.ctx.registry.alive_count else (
                 "no learner is alive: start one with `fedmq learner` on this broker and vhost "
                 "(`fedmq learners` lists them); ")
-            self._finish(job, FAILED, (
+            self.ctx.finish(job, FAILED, (
                 f"round {state.round}: {nobody}{len(state.reported)} of {len(state.clients)} clients "
                 f"reported, quorum is {state.quorum}; failures: {reasons or 'timeouts'}"
             ))
 
-    def _arm_start(self, job: SchedJob) -> None:
+    def arm_start(self, job: SchedJob) -> None:
         """No job waits for its first round longer than the start deadline, whatever holds it up."""
-        limit = self.settings.job_start_timeout_s
+        limit = self.ctx.settings.job_start_timeout_s
         delay = max(0.0, job.accepted_at + limit - time.time()) if job.accepted_at else limit
-        self.bus.call_later(delay, functools.partial(self._on_start_deadline, job.job_id))
+        self.ctx.bus.call_later(delay, functools.partial(self._on_start_deadline, job.job_id))
 
     def _on_start_deadline(self, job_id: str) -> None:
-        job = self.jobs.get(job_id)
+        job = self.ctx.jobs.get(job_id)
         if job is None or job.status != RUNNING or job.round > 0:
             return
-        limit = self.settings.job_start_timeout_s
+        limit = self.ctx.settings.job_start_timeout_s
         if job.spec.ddp is not None:
             nodes = f" on nodes {job.spec.ddp.nodes}" if job.spec.ddp.nodes else ""
             why = f"fewer than {job.spec.ddp.world_size} idle learners{nodes} (`fedmq learners`)"
         else:
             why = ("the aggregator never reported its initial model (is `fedmq aggregator` running on this "
                    "broker and vhost? its log says why)")
-        self._finish(job, FAILED, (
+        self.ctx.finish(job, FAILED, (
             f"job did not start within {limit:g} s: {why}; FEDMQ_JOB_START_TIMEOUT_S sets this limit"
         ))
-        self._save(job)
-
-    def _finish(
-        self, job: SchedJob, status: str, reason: str, error: dict[str, Any] | None = None, **data: Any
-    ) -> None:
-        """End the job; `error`: where its user code raised (then in the event's data too)."""
-        job.status, job.reason, job.error = status, reason, error
-        job.finished_at = time.time()
-        if job.group and job.group.get("members"):  # cancelled, or failed otherwise: its ranks end too
-            for name in job.group["members"]:
-                stop = DdpStop(job_id=job.job_id, attempt=job.group["attempt"])
-                self.bus.publish(topology.learner_queue(name), to_wire(stop))
-            job.group["members"] = {}
-        if error is not None:
-            data["error"] = error
-        if job.wall_seconds is not None:
-            data["wall_seconds"] = round(job.wall_seconds, 3)
-        self._cancel_timers(job)
-        kind: EventKind = {COMPLETED: "completed", FAILED: "failed", CANCELLED: "cancelled"}[status]  # type: ignore[assignment]
-        self._event(job.job_id, kind, round=job.round, data={"reason": reason, **data})
-        log.info("job_finished", status=status, reason=reason)
-
-    def _event(self, job_id: str, kind: EventKind, round: int | None = None,
-               rounds: int | None = None, data: dict[str, Any] | None = None) -> None:
-        event = JobEvent(job_id=job_id, kind=kind, round=round, rounds=rounds, data=data or {})
-        self.bus.publish_event(topology.job_topic(job_id), to_wire(event))
+        self.ctx.save(job)
 
 
 def round_close(job_id: str, state: RoundState, keep: list[str] | None = None) -> RoundClose:

@@ -5,7 +5,15 @@ once their effect is published; undecodable ones and invalid job specs are
 rejected (dead-lettered) with the reason, and a spec error also fails the job
 visibly so `fedmq watch` can say why. A spec naming code outside the allow-list
 (FEDMQ_ALLOWED_CODE) is such an error: refused before any service imports it.
-The round loop itself is loop.JobLoop.
+
+The service holds three loops, each built on one SchedContext (context.py), which shares its
+settings, bus, metrics, jobs, their rows and the learner registry:
+
+    SchedulerService ─┬─ rounds      RoundLoop (loop.py)             rounds, tasks, deadlines
+                      ├─ evaluation  EvaluationLoop (evaluation.py)  closed rounds, evaluation
+                      └─ ddp         DdpLoop (ddp.py)                DDP groups
+
+It decodes each message and hands it to the loop it concerns; its sweep calls `ddp.tick`.
 
 Failures: a JobFailed (the aggregator's user code raised, or its spec failed) ends
 the job with its reason; a ClientFailure carrying a user-code error ends it too,
@@ -54,11 +62,12 @@ from fedmq.common.senders import check_sender, check_site_sender
 from fedmq.common.settings import Settings
 from fedmq.common.speclimits import SpecTooLarge
 from fedmq.common.stateretry import StateRetry
+from fedmq.services.scheduler.context import SchedContext
 from fedmq.services.scheduler.ddp import DdpLoop, new_group
 from fedmq.services.scheduler.evaluation import EvaluationLoop
 from fedmq.services.scheduler.jobs import CANCELLED, FAILED, RUNNING, SchedJob
 from fedmq.services.scheduler.limits import check_submission
-from fedmq.services.scheduler.loop import kept_checkpoints, round_close
+from fedmq.services.scheduler.loop import RoundLoop, kept_checkpoints, round_close
 from fedmq.services.scheduler.records import add_sync
 from fedmq.services.scheduler.registry import Registry
 from fedmq.services.scheduler.rounds import fails_job
@@ -68,7 +77,7 @@ from fedmq.services.scheduler.store import JobRows
 log = structlog.get_logger("fedmq.scheduler")
 
 
-class SchedulerService(EvaluationLoop, DdpLoop):
+class SchedulerService:
     def __init__(
         self, settings: Settings, bus: Bus, metrics: Metrics | None = None, allowed: AllowList | None = None
     ) -> None:
@@ -79,9 +88,21 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         self.allowed = allowed or AllowList.services(settings.allowed_prefixes)
         self.jobs: dict[str, SchedJob] = {}
         self.registry = Registry(master_node=settings.master_node)
-        self.grace_until = time.monotonic() + 1.5 * settings.liveness_s
         self.rows = JobRows(Path(settings.state_dir) / "scheduler" / "jobs.sqlite", settings.fsync)
         self.retry = StateRetry(bus, self.metrics, settings)
+        self.ctx = SchedContext(
+            settings, bus, self.metrics, self.jobs, self.rows, self.retry, self.registry,
+            grace_until=time.monotonic() + 1.5 * settings.liveness_s,
+        )
+        # The round loop and the evaluation loop call each other: the round loop reaches the
+        # evaluation loop, built just after it, through these two callbacks.
+        self.rounds = RoundLoop(
+            self.ctx,
+            dispatch_eval=lambda job, at, clients: self.evaluation.dispatch(job, at, clients),
+            advance_eval=lambda job: self.evaluation.advance(job),
+        )
+        self.evaluation = EvaluationLoop(self.ctx, self.rounds)
+        self.ddp = DdpLoop(self.ctx)
         self._dirty: dict[str, SchedJob] = {}  # jobs changed by messages handled, not yet saved
         self._unsaved: list[Delivery] = []  # those messages, acked once their jobs are saved
 
@@ -94,7 +115,7 @@ class SchedulerService(EvaluationLoop, DdpLoop):
     def learners_heard(self) -> None:
         """Every learner there is has beaten (an embedded cluster knows its own): sites without one
         are unserved from now on, not after the start-up grace."""
-        self.grace_until = 0.0
+        self.ctx.grace_until = 0.0
 
     def _resume(self) -> None:
         """Pick every unfinished job up where the last process left it."""
@@ -104,15 +125,15 @@ class SchedulerService(EvaluationLoop, DdpLoop):
             if job.status != RUNNING:
                 continue
             log.info("job_resumed", job=job.job_id, round=job.round)
-            if job.spec.ddp is not None:  # its group goes on, or is launched again (ddp_tick)
+            if job.spec.ddp is not None:  # its group goes on, or is launched again (DdpLoop.tick)
                 if job.round == 0:
-                    self._arm_start(job)
+                    self.rounds.arm_start(job)
             elif job.state is None:
                 # Created but its initial model never reported: ask again (duplicates are answered).
                 self.bus.call_soon(functools.partial(self._republish_create, job))
-                self._arm_start(job)
+                self.rounds.arm_start(job)
             else:
-                self._arm_deadline(job)
+                self.rounds.arm_deadline(job)
                 if job.evaluation is None and job.state.closing:
                     self.bus.call_soon(functools.partial(self._republish_close, job))
 
@@ -128,9 +149,9 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         try:
             for name in self.registry.sweep(time.monotonic()):
                 log.warning("learner_lost", learner=name, alive=self.registry.alive_count)
-                self._redispatch_held(name)
+                self.rounds.redispatch_held(name)
             self._gauge_fleet()
-            self.ddp_tick()
+            self.ddp.tick()
         finally:
             self.bus.call_later(1.0, self._sweep)
 
@@ -204,7 +225,7 @@ class SchedulerService(EvaluationLoop, DdpLoop):
             if msg.leaving:
                 self.registry.forget(msg.learner)
                 log.info("learner_left", learner=msg.learner, alive=self.registry.alive_count)
-                self._redispatch_held(msg.learner)
+                self.rounds.redispatch_held(msg.learner)
                 return
             bound = self.settings.users_of_sites  # a learner hosts only the sites its user may serve
             sites = [s for s in msg.sites if s not in bound or delivery.user_id in bound[s]]
@@ -232,41 +253,41 @@ class SchedulerService(EvaluationLoop, DdpLoop):
             check_site_sender(job.spec.clients.site(msg.client), user_id, self.settings.users_of_sites)
         match msg:
             case RoundClosed():
-                self.round_closed(job, msg)
+                self.evaluation.round_closed(job, msg)
             case UpdateAccepted() | UpdatesAccepted():
                 for update in msg.updates if isinstance(msg, UpdatesAccepted) else [msg]:
                     self._count_update(job, update)
                 # Even when every client was counted already: this message may be one redelivered
                 # because the RoundClose it led to was not confirmed (the broker closed the connection).
                 if job.state is not None and job.state.round == msg.round and not job.state.closing:
-                    self._advance(job)
+                    self.rounds.advance(job)
             case EvalReport():
-                self.eval_report(job, msg)
+                self.evaluation.eval_report(job, msg)
             case ClientFailure() if msg.error is not None and fails_job(msg, job.spec.clients.on_error):
                 log.warning("client_user_code_failed", client=msg.client, phase=msg.error.phase)
                 self.metrics.client_failures.labels(reason_label(msg.code)).inc()
-                self._finish(job, FAILED, msg.error.line(), error=msg.error.model_dump())
+                self.ctx.finish(job, FAILED, msg.error.line(), error=msg.error.model_dump())
             case ClientFailure() if job.evaluation is not None and job.evaluation.round == msg.round:
                 log.warning("client_failed", client=msg.client, code=msg.code, reason=msg.reason)
                 job.evaluation.record_client_failure(msg, training=False)
-                self._advance_evaluation(job)
+                self.evaluation.advance(job)
             case ClientFailure():
                 if job.state and job.state.round == msg.round:
                     log.warning("client_failed", client=msg.client, code=msg.code, reason=msg.reason)
                     self.metrics.client_failures.labels(reason_label(msg.code)).inc()
                     job.state.record_client_failure(msg)
-                    self._advance(job)
+                    self.rounds.advance(job)
             case DdpExit():
-                self.ddp_exit(job, msg)
+                self.ddp.exited(job, msg)
             case DdpProgress():
-                self.ddp_progress(job, msg)
+                self.ddp.progress(job, msg)
             case DdpStored():
-                self.ddp_stored(job, msg)
+                self.ddp.stored(job, msg)
             case JobFailed():
                 error = None if msg.error is None else msg.error.model_dump()
-                self._finish(job, FAILED, msg.reason, error=error)
+                self.ctx.finish(job, FAILED, msg.reason, error=error)
             case JobCancel():
-                self._finish(job, CANCELLED, msg.reason)
+                self.ctx.finish(job, CANCELLED, msg.reason)
             case _:
                 raise ValidationError("unexpected_type", msg.type)  # type: ignore[attr-defined]
 
@@ -282,12 +303,12 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         except CodeNotAllowed as exc:
             log.warning("job_code_refused", what=exc.what, module=exc.module)
             self.metrics.refused_code(exc.what)
-            self._event(msg.job_id, "failed", data={"reason": str(exc)})
+            self.ctx.event(msg.job_id, "failed", data={"reason": str(exc)})
             raise ValidationError("code_not_allowed", str(exc)) from None
         except SpecTooLarge as exc:
             self._refuse(msg, exc.limit, str(exc))
         except ConfigError as exc:
-            self._event(msg.job_id, "failed", data={"reason": str(exc)})
+            self.ctx.event(msg.job_id, "failed", data={"reason": str(exc)})
             raise ValidationError("invalid_spec", str(exc)) from None
         running = sum(job.status == RUNNING for job in self.jobs.values())
         refusal = check_submission(spec, self.settings, running)
@@ -300,15 +321,15 @@ class SchedulerService(EvaluationLoop, DdpLoop):
         self.jobs[msg.job_id] = job
         if spec.ddp is not None:
             job.group = new_group(job)
-        self._arm_start(job)
+        self.rounds.arm_start(job)
         objective = None if spec.objective is None else spec.objective.model_dump()
         data = {"name": spec.name, "objective": objective}
-        self._event(job.job_id, "accepted", rounds=spec.rounds, data=data)
+        self.ctx.event(job.job_id, "accepted", rounds=spec.rounds, data=data)
         log.info("job_accepted", name=spec.name, rounds=spec.rounds, clients=spec.clients.total)
 
     def _refuse(self, msg: JobSubmit, limit: str, reason: str) -> NoReturn:
         """A submission past a limit: the job fails visibly, the message is dead-lettered, both counted."""
         log.warning("job_refused", limit=limit, reason=reason[:500])
         self.metrics.refused(limit)
-        self._event(msg.job_id, "failed", data={"reason": reason, "limit": limit})
+        self.ctx.event(msg.job_id, "failed", data={"reason": reason, "limit": limit})
         raise ValidationError("over_limit", reason)

@@ -47,7 +47,7 @@ def job_held_by(holders: dict[int, tuple[int, str, str]], kept: bool = True) -> 
 def test_a_client_goes_back_to_its_learner_with_the_version_it_keeps(tmp_path: Path) -> None:
     service, sent = service_with(tmp_path, ["A", "B"])
     job = job_held_by({0: (2, "A", "a2"), 1: (1, "B", "b1")})
-    service._dispatch(job, 3, [0, 1, 2], to_holders=True)
+    service.rounds._dispatch(job, 3, [0, 1, 2], to_holders=True)
     routed = {task.client: (queue, task.state_from, task.state_tag) for queue, task in sent}
     assert routed == {
         0: (topology.learner_queue("A"), 2, "a2"),
@@ -55,7 +55,7 @@ def test_a_client_goes_back_to_its_learner_with_the_version_it_keeps(tmp_path: P
         2: (topology.TASKS, 0, ""),  # never folded: no state anywhere, nothing to fetch
     }
     sent.clear()
-    service._dispatch(job, 3, [0, 1])  # sent again (a nudge, a retry): A or B may be stuck
+    service.rounds._dispatch(job, 3, [0, 1])  # sent again (a nudge, a retry): A or B may be stuck
     again = [(queue, task.state_tag) for queue, task in sent]
     assert again == [(topology.TASKS, "a2"), (topology.TASKS, "b1")]
 
@@ -63,7 +63,7 @@ def test_a_client_goes_back_to_its_learner_with_the_version_it_keeps(tmp_path: P
 def test_a_learner_takes_back_at_most_its_share_of_the_round(tmp_path: Path) -> None:
     service, sent = service_with(tmp_path, ["A", "B"])
     job = job_held_by({c: (2, "A", f"a{c}") for c in range(4)})
-    service._dispatch(job, 3, [0, 1, 2, 3], to_holders=True)
+    service.rounds._dispatch(job, 3, [0, 1, 2, 3], to_holders=True)
     queues = [queue for queue, _ in sent]
     assert queues.count(topology.learner_queue("A")) == 2 and queues.count(topology.TASKS) == 2
     assert all(task.state_holder == "A" for _, task in sent), "A may still use its copy off the shared queue"
@@ -76,19 +76,19 @@ def test_a_dead_learners_clients_go_to_the_shared_queue_and_its_waiting_tasks_ar
     job = job_held_by({0: (2, "A", "a"), 1: (2, "B", "b")})
     job.state = RoundState(round=3, clients=[0, 1], quorum=2, deadline=time.monotonic() + 60)
     service.jobs[job.job_id] = job
-    service._dispatch(job, 3, [0, 1], to_holders=True)
+    service.rounds._dispatch(job, 3, [0, 1], to_holders=True)
     sent.clear()
     service.registry.heartbeat(Heartbeat(learner="B", node="n", replica=1, device="cpu", pid=1,
                                          interval_s=5.0), time.monotonic() + 100)
     assert service.registry.sweep(time.monotonic() + 100) == ["A"]
-    service._redispatch_held("A")
+    service.rounds.redispatch_held("A")
     assert [(queue, task.client, task.state_holder) for queue, task in sent] == [(topology.TASKS, 0, "A")]
 
 
 def test_without_learner_only_state_tasks_carry_no_version_and_use_the_shared_queue(tmp_path: Path) -> None:
     service, sent = service_with(tmp_path, ["A"])
     job = job_held_by({0: (2, "A", "a")}, kept=False)  # the strategy's state too (SCAFFOLD): always fetched
-    service._dispatch(job, 3, [0], to_holders=True)
+    service.rounds._dispatch(job, 3, [0], to_holders=True)
     routed = [(queue, task.state_from, task.state_holder) for queue, task in sent]
     assert routed == [(topology.TASKS, None, "")]
 
@@ -129,5 +129,5 @@ def test_a_learner_running_a_ddp_rank_is_sent_no_task(tmp_path: Path) -> None:
     service, sent = service_with(tmp_path, ["A"])
     service.registry.heartbeat(Heartbeat(learner="A", node="n", replica=0, device="cpu", pid=1,
                                          interval_s=5.0, group="other-job/1"), time.monotonic())
-    service._dispatch(job_held_by({0: (2, "A", "a")}), 3, [0], to_holders=True)
+    service.rounds._dispatch(job_held_by({0: (2, "A", "a")}), 3, [0], to_holders=True)
     assert [(queue, task.state_tag) for queue, task in sent] == [(topology.TASKS, "a")]
