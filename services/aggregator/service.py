@@ -414,8 +414,10 @@ class AggregatorService:
         if not self._commit(then=delivery):
             return "deferred"  # it waits behind the updates before it
         self._keep(job, msg, kind, delivery.body_path or delivery.body, size)
-        if kind != "early":
+        if kind == "new":
             self._publish(self._accepted(msg, size))
+        elif kind != "early":
+            self._publish(self._accepted_again(job, msg, size))
         return None
 
     def accept_group(self, msg: GroupUpdate, delivery: Delivery) -> None:
