@@ -131,7 +131,7 @@ def server_weights(job: AggJob, weights: Mapping[str, torch.Tensor]) -> Mapping[
     if personal is None or personal.method != "fedper":
         return weights
     from fedmq.common.task.contract import Personal
-    from fedmq.common.task.personal import own_layers
+    from fedmq.common.task.layers import own_layers
 
     settings = Personal.from_spec(personal)
     assert settings is not None

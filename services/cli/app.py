@@ -129,7 +129,7 @@ def check_task(spec: JobSpec, allowed: AllowList) -> None:
         )
     if spec.personalize is not None and spec.personalize.method == "fedper":
         from fedmq.common.task.contract import Personal
-        from fedmq.common.task.personal import own_layers
+        from fedmq.common.task.layers import own_layers
         from fedmq.common.task.runtime import TaskRuntime
 
         personal = Personal.from_spec(spec.personalize)
