@@ -44,9 +44,9 @@ from fedmq.common.task.state import keeps_state
 from fedmq.common.usercode import user_code
 from fedmq.services.aggregator.evaluation import evaluate_on_server
 from fedmq.services.aggregator.jobs import AggJob, views
+from fedmq.services.aggregator.kernels.clip import ClippedWeights
 from fedmq.services.aggregator.kernels.private import delta_norm
 from fedmq.services.aggregator.store import JobStore, weights_digest
-from fedmq.services.aggregator.strategies.clipped import ClippedWeights
 
 
 def initial_round(job: AggJob, data_dir: Path | None) -> RoundClosed:
