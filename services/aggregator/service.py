@@ -273,10 +273,8 @@ class AggregatorService:
         if not self.commits.commit(then=delivery):
             return "deferred"  # it waits behind the updates before it
         self.intake.keep(job, msg, kind, delivery.body_path or delivery.body, size)
-        if kind == "new":
-            self._publish(accepted(msg, size))
-        elif kind != "early":
-            self._publish(accepted_again(job, msg, size))
+        if kind != "early":
+            self._publish(accepted(msg, size) if kind == "new" else accepted_again(job, msg, size))
         return None
 
     def accept_group(self, msg: GroupUpdate, delivery: Delivery) -> None:
