@@ -20,8 +20,7 @@ from pydantic import ValidationError as PydanticValidationError
 from fedmq.common.allowlist import AllowList
 from fedmq.common.errors import ConfigError
 from fedmq.common.jobspec import JobSpec, StrategySpec
-from fedmq.common.strategy.loading import BUILTIN as STRATEGIES
-from fedmq.common.task.loading import BUILTIN as TASKS
+from fedmq.common.refs import STRATEGIES, TASKS
 
 MINIRAY_TASK = "fedmq.compat.miniray:WorkerTask"
 CLIPPED = STRATEGIES["clipped"]

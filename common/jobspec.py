@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fedmq.common.codec.compress import CompressionSpec
 from fedmq.common.errors import ConfigError, SetupError
+from fedmq.common.refs import check_strategy_name, ref_of
+from fedmq.common.sites import SITE_NAME
 from fedmq.common.speclimits import check_tree, load_yaml
 
 REF = r"^([A-Za-z_][\w]*|[A-Za-z_][\w.]*:[A-Za-z_][\w.]*)$"  # a built-in name or package.module:Name
@@ -27,8 +29,6 @@ def _named(data: Any) -> Any:
     if isinstance(data, str | type):
         data = {"name": data}
     if isinstance(data, dict) and isinstance(data.get("name"), type):
-        from fedmq.common.task.loading import ref_of
-
         data = {**data, "name": ref_of(data["name"])}
     return data
 
@@ -89,8 +89,6 @@ class ClientsSpec(Spec):
     @model_validator(mode="after")
     def _ordered(self) -> ClientsSpec:
         if self.sites is not None:
-            from fedmq.common.bus.topology import SITE_NAME
-
             bad = [site for site in self.sites if not SITE_NAME.match(site)]
             if bad:
                 raise ValueError(f"site names {bad} must be letters, digits, '-' and '_', at most 64")
@@ -232,10 +230,8 @@ class StrategySpec(Spec):
 
     @model_validator(mode="after")
     def _known(self) -> StrategySpec:
-        from fedmq.common.strategy.loading import check_name
-
         try:
-            check_name(self.name)
+            check_strategy_name(self.name)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         return self

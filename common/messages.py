@@ -316,7 +316,7 @@ class ClientStateReply(Message):
     error: str | None = None
 
 
-SiteName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]  # as topology.SITE_NAME
+SiteName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")]  # as common/sites.SITE_NAME
 
 
 class Heartbeat(Message):
@@ -331,7 +331,7 @@ class Heartbeat(Message):
     busy: bool = False
     pid: int = 0
     interval_s: float = 5.0
-    # the sites it hosts (FEDMQ_SITES); the names as common/bus/topology.SITE_NAME allows
+    # the sites it hosts (FEDMQ_SITES); the names as common/sites.SITE_NAME allows
     sites: list[SiteName] = Field([], max_length=1000)
     group: str = Field("", max_length=200)  # the DDP group it runs a rank of: job/attempt ("": none)
     leaving: bool = False  # its last: it stopped (SIGTERM, Ctrl-C), it is not lost

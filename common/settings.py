@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fedmq.common.allowlist import parse_prefixes
 from fedmq.common.errors import ConfigError
+from fedmq.common.sites import SITE_NAME
 from fedmq.common.tls import client_context
 
 MiB = 1024 * 1024
@@ -332,8 +333,6 @@ class Settings(BaseSettings):
 
 
 def _site_names(names: list[str]) -> list[str]:
-    from fedmq.common.bus.topology import SITE_NAME
-
     cleaned = [name.strip() for name in names if name.strip()]
     for name in cleaned:
         if not SITE_NAME.match(name):

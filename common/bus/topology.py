@@ -45,6 +45,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from fedmq.common.sites import SITE_NAME
+
 if TYPE_CHECKING:  # the in-memory bus imports these names without pika or settings
     from pika.adapters.blocking_connection import BlockingChannel
 
@@ -60,7 +62,6 @@ DLX = "fedmq.dlx"
 
 QUEUES = (SCHEDULER, AGGREGATOR, TASKS, MODEL)
 SITE_PREFIX = "fedmq.site."  # one queue per site: fedmq.site.<name>
-SITE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")  # \Z: no trailing newline
 
 # The exchange in front of each work queue: who may write to it is who may send there.
 EXCHANGE_PREFIX = "fedmq.x."

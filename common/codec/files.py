@@ -16,11 +16,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Mapping
-from typing import IO, TYPE_CHECKING, Any, NamedTuple
+from typing import IO, TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import msgpack
 
 from fedmq.common.codec.pack import DEFAULT_MAX_BYTES, FIXEXT, UNPACK_ERRORS, unpack_options, unpackb
+from fedmq.common.codec.readahead import read_column
 from fedmq.common.codec.tensors import (
     TENSOR_EXT,
     data_offset,
@@ -100,7 +101,14 @@ class TensorFile(Mapping[str, "torch.Tensor"]):
     meta() read nothing. Access raises KeyError for an unknown name, DecodeError
     for a file changed since indexing or bad tensor data, OSError if it cannot
     be opened.
+
+    For a fold over many files (the aggregator's kernels.WeightedMean): `owned_reads`, each
+    access is a new tensor the reader may write to; `read_column`, one tensor of each file in
+    order, large ones read ahead on other threads (codec.readahead).
     """
+
+    owned_reads: ClassVar[bool] = True
+    read_column = staticmethod(read_column)
 
     def __init__(
         self,

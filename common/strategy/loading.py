@@ -1,6 +1,7 @@
 """Finding and building a job's strategy: a built-in name or `package.module:Class`, with its options.
 
-Adding a built-in strategy is one module under services/aggregator/strategies/ and one line here.
+Adding a built-in strategy is one module under services/aggregator/strategies/ and one line in
+common/refs.py.
 """
 
 from __future__ import annotations
@@ -13,53 +14,19 @@ from pydantic import ValidationError as PydanticValidationError
 
 from fedmq.common.allowlist import AllowList, active, allowing
 from fedmq.common.errors import ConfigError
+from fedmq.common.refs import STRATEGIES, check_strategy_name, import_ref
 from fedmq.common.strategy.contract import JobFacts, Strategy, StrategyOptions
-from fedmq.common.task.loading import import_ref
 from fedmq.common.usercode import user_code
 
 if TYPE_CHECKING:
     from fedmq.common.jobspec import JobSpec, StrategySpec
 
-_STRATEGIES = "fedmq.services.aggregator.strategies"
-
-# Built-in strategies by name: each written against the public contract only.
-BUILTIN: Mapping[str, str] = {
-    "fedavg": f"{_STRATEGIES}.fedavg:FedAvg",
-    "average": f"{_STRATEGIES}.average:Average",
-    "fedavgm": f"{_STRATEGIES}.fedavgm:FedAvgM",
-    "weighted": f"{_STRATEGIES}.weighted:Weighted",
-    "moving_average": f"{_STRATEGIES}.ema:MovingAverage",
-    "fedprox": f"{_STRATEGIES}.fedprox:FedProx",
-    "scaffold": f"{_STRATEGIES}.scaffold:Scaffold",
-    "fedadagrad": f"{_STRATEGIES}.fedopt:FedAdagrad",
-    "fedadam": f"{_STRATEGIES}.fedopt:FedAdam",
-    "fedyogi": f"{_STRATEGIES}.fedopt:FedYogi",
-    "dp_fedavg": f"{_STRATEGIES}.dp:DPFedAvg",
-    "dp_fedavg_adaptive": f"{_STRATEGIES}.dp:AdaptiveDPFedAvg",
-    "clipped": f"{_STRATEGIES}.clipped:Clipped",
-    "median": f"{_STRATEGIES}.robust:Median",
-    "trimmed_mean": f"{_STRATEGIES}.robust:TrimmedMean",
-    "krum": f"{_STRATEGIES}.robust:Krum",
-    "multi_krum": f"{_STRATEGIES}.robust:MultiKrum",
-    "bulyan": f"{_STRATEGIES}.robust:Bulyan",
-}
-
-
-def check_name(name: str) -> None:
-    """ConfigError unless `name` is a built-in or looks like `package.module:Class` (no import)."""
-    if name in BUILTIN or ":" in name:
-        return
-    close = difflib.get_close_matches(name, list(BUILTIN), n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    raise ConfigError(
-        f"unknown strategy {name!r}{hint} built-in: {', '.join(BUILTIN)}; "
-        "or your own as 'package.module:Class'"
-    )
+BUILTIN = STRATEGIES  # built-in strategies by name (common/refs.py)
 
 
 def strategy_class(name: str, allowed: AllowList | None = None) -> type[Strategy]:
     """The Strategy class a spec names, from an allowed module; ConfigError saying why it cannot be had."""
-    check_name(name)
+    check_strategy_name(name)
     target = import_ref(BUILTIN.get(name, name), what="strategy", allowed=allowed)
     if not (isinstance(target, type) and issubclass(target, Strategy)):
         raise ConfigError(f"strategy {name!r} is a {type(target).__name__}, not a subclass of fedmq.Strategy")

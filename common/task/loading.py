@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import sys
 from collections.abc import Mapping
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedmq.common.allowlist import AllowList, active, allowing
-from fedmq.common.errors import ConfigError, SetupError
+from fedmq.common.errors import ConfigError
+from fedmq.common.refs import TASKS, import_ref
 from fedmq.common.task.contract import Task
 
-if TYPE_CHECKING:
-    from fedmq.common.jobspec import JobSpec
-
-# Built-in Tasks by name: each is written against the public contract only.
-BUILTIN: Mapping[str, str] = {
-    "digits": "fedmq.tasks.digits:Digits",
-}
+BUILTIN = TASKS  # built-in Tasks by name (common/refs.py)
 
 
 def task_class(ref: str, allowed: AllowList | None = None) -> type[Task]:
@@ -46,110 +37,6 @@ def make_task(ref: str, options: Mapping[str, Any], allowed: AllowList | None = 
         except Exception as exc:
             detail = _option_errors(exc, options) or f"{type(exc).__name__}: {exc}"
             raise ConfigError(f"task {ref!r}: its options are invalid:\n{detail}") from None
-
-
-def complete_spec(spec: JobSpec, allowed: AllowList | None = None) -> JobSpec:
-    """Check the spec's Task and strategy can be had with their options, and fill in the Task's
-    default objective.
-
-    What the CLI and the Python API do before a job is published: a bad option fails here,
-    in the user's terminal, not minutes later in a service.
-    """
-    from fedmq.common.strategy.loading import check_strategy
-
-    if spec.ddp is not None:  # no Task nor strategy: its entry is checked against the allow-list
-        from fedmq.common.coderefs import check_code
-
-        check_code(spec, allowed or active())
-        return spec
-    with allowing(allowed or active()):
-        task = make_task(spec.task.name, spec.task.options)
-        check_strategy(spec)  # its options, and whether they can work with the rest of the job
-    if spec.objective is None and task.objective is not None and spec.measures(task.objective.metric):
-        objective = {"metric": task.objective.metric, "mode": task.objective.mode}
-        return type(spec).model_validate({**spec.model_dump(mode="json"), "objective": objective})
-    return spec
-
-
-def import_ref(ref: str, what: str, allowed: AllowList | None = None) -> Any:
-    """Import `package.module:attr` (attr may be dotted) and return it; ConfigError on failure.
-
-    The module must be allowed (`allowed`, else the list in force) before it is imported, and
-    what is found must be defined in an allowed module too (not one an allowed module imported).
-    """
-    module_name, sep, attr_path = ref.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise ConfigError(
-            f"{what} {ref!r} must be a built-in name ({', '.join(sorted(BUILTIN))}) "
-            "or look like 'package.module:Name'"
-        )
-    allowed = allowed or active()
-    allowed.check(module_name, what, ref)
-    if any(part.startswith("__") for part in attr_path.split(".")):
-        raise ConfigError(f"{what} {ref!r}: name a class, not a dunder attribute")
-    try:
-        module = _running_script(module_name) or importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise SetupError(
-                f"{what} {ref!r}: no module named {exc.name!r}; is it installed or on PYTHONPATH? "
-                f"(working directory: {os.getcwd()})"
-            ) from None
-        raise ConfigError(f"{what} {ref!r}: importing {module_name!r} failed: {exc}") from exc
-    except Exception as exc:
-        raise ConfigError(
-            f"{what} {ref!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
-        ) from exc
-    target: Any = module
-    for part in attr_path.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ConfigError(
-                f"{what} {ref!r}: module {module_name!r} has no attribute {attr_path!r}"
-            ) from None
-    defined_in = getattr(target, "__module__", None)
-    if defined_in == "__main__" and module is sys.modules.get("__main__"):
-        defined_in = module_name  # the running script, named as it was
-    if isinstance(target, type) and isinstance(defined_in, str) and defined_in != module_name:
-        allowed.check(defined_in, what, f"{defined_in}:{getattr(target, '__qualname__', attr_path)}")
-    return target
-
-
-def ref_of(cls: type) -> str:
-    """The `package.module:Name` that imports `cls` again elsewhere (a script's `__main__` resolved)."""
-    module = cls.__module__
-    if module == "__main__":
-        module = _main_module_name() or module
-    return f"{module}:{cls.__qualname__}"
-
-
-def _running_script(module_name: str) -> ModuleType | None:
-    """The running script itself when `module_name` names it and nothing imported it under that
-    name: imported again, its top level would run again (a training started without a
-    `if __name__ == "__main__":` guard would start another, inside this one)."""
-    if module_name in sys.modules or _main_module_name() != module_name:
-        return None
-    return sys.modules.get("__main__")
-
-
-def _main_module_name() -> str | None:
-    """The importable name of the running script, from its file and sys.path (None if none)."""
-    import sys
-
-    main = sys.modules.get("__main__")
-    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
-    if spec_name:
-        return str(spec_name)
-    path = getattr(main, "__file__", None)
-    if not path:
-        return None
-    path = os.path.realpath(path)
-    for entry in sys.path:
-        base = os.path.realpath(entry or os.getcwd())
-        if path.startswith(base + os.sep) and path.endswith(".py"):
-            return path[len(base) + 1 : -3].replace(os.sep, ".")
-    return None
 
 
 def _option_errors(exc: Exception, options: Mapping[str, Any]) -> str:

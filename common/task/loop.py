@@ -24,11 +24,11 @@ from torch import nn
 from fedmq.common.heap import LARGE_MODEL_BYTES
 from fedmq.common.strategy.contract import PROXIMAL_MU
 from fedmq.common.task.batches import Source, batch_size_of, source, to_device
-from fedmq.common.task.contract import EvalContext, EvalResult, TrainContext, TrainResult
+from fedmq.common.task.contexts import EvalContext, EvalResult, TrainContext, TrainResult
 from fedmq.common.task.dpsgd import PrivateGradients, epsilon_spent
 from fedmq.common.task.functional import split_loss
+from fedmq.common.task.layers import proximal_names
 from fedmq.common.task.optimizers import Adam, Sgd, make_optimizer
-from fedmq.common.task.personal import proximal_names
 from fedmq.common.task.scaffold import Controls
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from fedmq.common.task.contract import TrainSettings
+from fedmq.common.task.contexts import TrainSettings
 
 __all__ = ["Adam", "Sgd", "make_optimizer"]
 

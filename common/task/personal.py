@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import fnmatch
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -30,30 +29,14 @@ from torch import nn
 
 from fedmq.common.seeding import torch_generator
 from fedmq.common.strategy.contract import PROXIMAL_MU
-from fedmq.common.task.contract import Personal, TrainContext
+from fedmq.common.task.contexts import Personal, TrainContext
+from fedmq.common.task.layers import own_layers
+from fedmq.common.task.loop import train_with_loss
 
 if TYPE_CHECKING:
     from fedmq.common.task.contract import Task
 
 FEDPER, DITTO = "personal.", "ditto."
-
-
-def own_layers(model: nn.Module, personal: Personal) -> list[str]:
-    """The tensors fedper keeps per client: the model's state (parameters and buffers, BatchNorm's
-    statistics too) matching `layers`. ValueError when a pattern matches nothing, or the patterns
-    match every parameter or none."""
-    names = list(model.state_dict())
-    params = {name for name, _ in model.named_parameters()}
-    own = [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in personal.layers)]
-    idle = [p for p in personal.layers if not any(fnmatch.fnmatchcase(name, p) for name in names)]
-    shared = params - set(own)
-    if idle or not shared or shared == params:
-        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-        raise ValueError(
-            f"personalize.layers {list(personal.layers)} match {len(params) - len(shared)} of the model's "
-            f"{len(params)} parameters ({shown})"
-            + (f"; {idle} match nothing" if idle else "") + ": name some, not all")
-    return own
 
 
 def before_training(model: nn.Module, ctx: TrainContext) -> None:
@@ -76,8 +59,6 @@ def after_training(task: Task, model: nn.Module, data: Any, ctx: TrainContext) -
                 ctx.state[FEDPER + name] = state[name].to("cpu", copy=True)
                 state[name].copy_(ctx.global_weights[name])  # the update carries the round's values
         return
-    from fedmq.common.task.loop import train_with_loss
-
     mine = copy.deepcopy(model)
     kept = {k[len(DITTO):]: v for k, v in ctx.state.items() if k.startswith(DITTO)}
     mine.load_state_dict(kept or dict(ctx.global_weights))
@@ -102,15 +83,6 @@ def personal_model(model: nn.Module, state: Mapping[str, Any], personal: Persona
     else:
         model.load_state_dict({k[len(DITTO):]: v for k, v in state.items() if k.startswith(DITTO)})
     return True
-
-
-def proximal_names(model: nn.Module, personal: Personal | None) -> set[str]:
-    """The parameters a proximal term (FedProx's mu) pulls toward the global model: under fedper, not
-    the client's own layers (the server's never move)."""
-    names = {name for name, _ in model.named_parameters()}
-    if personal is None or personal.method != "fedper":
-        return names
-    return names - set(own_layers(model, personal))
 
 
 def _load_own(model: nn.Module, state: Mapping[str, Any], personal: Personal) -> None:

@@ -59,7 +59,7 @@ from torch import nn
 import fedmq
 from fedmq.common.codec.pack import packb, unpackb
 from fedmq.common.errors import ConfigError, FedmqError
-from fedmq.common.task.loading import import_ref, ref_of
+from fedmq.common.refs import import_ref, ref_of
 from fedmq.common.usercode import UserCodeError
 from fedmq.compat.actors import Actor, BaseTrainer, Ref, get, remote, unwrap
 

@@ -19,7 +19,7 @@ from fedmq.common.strategy.clients import ClientStore
 from fedmq.common.strategy.contract import Strategy
 from fedmq.common.strategy.loading import check_strategy, make_strategy
 from fedmq.common.task.contract import Personal
-from fedmq.common.task.personal import own_layers
+from fedmq.common.task.layers import own_layers
 from fedmq.common.task.runtime import TaskRuntime
 from fedmq.common.usercode import user_code
 from fedmq.services.aggregator.limits import DiskQuota, model_bytes

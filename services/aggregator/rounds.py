@@ -45,9 +45,9 @@ from fedmq.common.task.state import keeps_state
 from fedmq.common.usercode import user_code
 from fedmq.services.aggregator.evaluation import evaluate_on_server
 from fedmq.services.aggregator.jobs import AggJob, views
+from fedmq.services.aggregator.kernels.clip import ClippedWeights
 from fedmq.services.aggregator.kernels.private import delta_norm
 from fedmq.services.aggregator.store import JobStore, weights_digest
-from fedmq.services.aggregator.strategies.clipped import ClippedWeights
 
 
 def initial_round(job: AggJob, data_dir: Path | None) -> RoundClosed:
@@ -132,7 +132,7 @@ def server_weights(job: AggJob, weights: Mapping[str, torch.Tensor]) -> Mapping[
     if personal is None or personal.method != "fedper":
         return weights
     from fedmq.common.task.contract import Personal
-    from fedmq.common.task.personal import own_layers
+    from fedmq.common.task.layers import own_layers
 
     settings = Personal.from_spec(personal)
     assert settings is not None

@@ -27,10 +27,10 @@ import structlog
 from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.errors import ConfigError
+from fedmq.common.jobcheck import complete_spec
 from fedmq.common.jobspec import JobSpec, parse_job
 from fedmq.common.messages import JobCancel, JobEvent, JobSubmit, to_wire
 from fedmq.common.settings import Settings
-from fedmq.common.task.loading import complete_spec
 from fedmq.services.api.result import Result, RoundRecord
 from fedmq.services.cli.follow import TERMINAL, JobFollower
 

@@ -96,7 +96,7 @@ def load_spec(job: Path, rounds: int | None, seed: int | None, settings: Setting
         overrides["seed"] = seed
     try:
         spec = load_job(job, overrides)
-        from fedmq.common.task.loading import complete_spec  # imports the Task: after the cheap checks
+        from fedmq.common.jobcheck import complete_spec  # imports the Task: after the cheap checks
 
         allowed = project_code(settings, job)
         spec = complete_spec(spec, allowed)
@@ -129,7 +129,7 @@ def check_task(spec: JobSpec, allowed: AllowList) -> None:
         )
     if spec.personalize is not None and spec.personalize.method == "fedper":
         from fedmq.common.task.contract import Personal
-        from fedmq.common.task.personal import own_layers
+        from fedmq.common.task.layers import own_layers
         from fedmq.common.task.runtime import TaskRuntime
 
         personal = Personal.from_spec(spec.personalize)

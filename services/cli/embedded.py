@@ -28,7 +28,7 @@ from fedmq.common import statefiles
 from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
-from fedmq.common.bus.memory import MemoryBroker
+from fedmq.common.bus.factory import MemoryBuses
 from fedmq.common.errors import ConfigError
 from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import JobEvent, JobSubmit, StatusReply, StatusRequest, expect, from_wire, to_wire
@@ -47,12 +47,6 @@ STOP_WAIT_S = 10.0  # a stop at the end of a job waits this long per thread; a C
 STATUS_TIMEOUT_S = 30.0
 
 
-def embedded_user(name: str) -> str:
-    """The broker user a bus of the embedded cluster publishes as: its service's, as deployed."""
-    role = name.split("-", 1)[0]
-    return role if role in ("scheduler", "aggregator", "learner") else "cli"
-
-
 class EmbeddedCluster:
     """All services of fedmq in this process; use as a context manager."""
 
@@ -63,9 +57,10 @@ class EmbeddedCluster:
         """`allowed`: the code its services may import for a job (default: the services' list,
         fedmq's built-ins and FEDMQ_ALLOWED_CODE; `fedmq run` passes AllowList.project)."""
         self.settings = settings
-        self.broker = MemoryBroker(frame_bytes=settings.frame_bytes, fsync=settings.fsync)
+        memory = MemoryBuses(settings)
+        self.broker = memory.broker
         self.in_memory = connect is None
-        self._connect = connect or (lambda name: self.broker.connect(user=embedded_user(name)))
+        self._connect = connect or memory.connect
         self.allowed = allowed or AllowList.services(settings.allowed_prefixes)
         self.scheduler = SchedulerService(settings, self._connect("scheduler"), allowed=self.allowed)
         self.aggregator = AggregatorService(settings, self._connect("aggregator"), allowed=self.allowed)

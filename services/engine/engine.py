@@ -19,7 +19,6 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +60,7 @@ from fedmq.services.aggregator.rounds import (
 )
 from fedmq.services.aggregator.validation import check_job_update
 from fedmq.services.engine.clientstate import MemoryClientStore
-from fedmq.services.engine.journal import Journal
+from fedmq.services.engine.journal import Journal, Progress
 from fedmq.services.learner.device import resolve_device
 from fedmq.services.learner.work import Work, client_failure
 from fedmq.services.scheduler.limits import check_submission
@@ -92,16 +91,6 @@ class JobStopped(Exception):
         super().__init__(reason)
         self.reason = reason
         self.error = error
-
-
-@dataclass
-class Progress:
-    """What the engine knows of its job between rounds; the journal keeps it with each checkpoint."""
-
-    round: int = -1
-    history: list[dict[str, Any]] = field(default_factory=list)
-    best: dict[str, Any] | None = None
-    config: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:

@@ -12,17 +12,24 @@ checkpoint written after it left on disk.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedmq.common import statefiles
 from fedmq.common.jobspec import JobSpec
 
-if TYPE_CHECKING:
-    from fedmq.services.engine.engine import Progress
-
 FILE = "journal.json"
+
+
+@dataclass
+class Progress:
+    """What the engine knows of its job between rounds; the journal keeps it with each checkpoint."""
+
+    round: int = -1
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best: dict[str, Any] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,8 +73,6 @@ class Journal:
     def load(self) -> tuple[Progress | None, dict[int, int]]:
         """The rounds as the last checkpoint left them, and the clients' first example counts then;
         None if the job never reached a checkpoint, or ended (completed, failed, cancelled)."""
-        from fedmq.services.engine.engine import Progress
-
         doc = _read(self.path)
         if doc is None or doc["round"] < 0 or doc["status"] != "running":
             return None, {}

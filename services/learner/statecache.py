@@ -75,8 +75,9 @@ class StateCache:
         self._on_disk = 0
         self._lock = threading.Lock()  # the training thread puts and gets; `close` may come from another
         # Files an earlier process spilled: versions nobody can vouch for now (fetched instead).
-        for stale in self.folder.glob("*.state*") if self.folder.is_dir() else []:
-            stale.unlink(missing_ok=True)
+        for stale in self.folder.iterdir() if self.folder.is_dir() else []:
+            if stale.is_file():
+                stale.unlink(missing_ok=True)
 
     def put(self, job_id: str, client: int, tag: str, state: Mapping[str, torch.Tensor]) -> None:
         """The state `client` made in the training tagged `tag` (its update's fedmq entries, in the
@@ -142,7 +143,7 @@ class StateCache:
                 try:
                     self._write(key, kept)
                     written = True
-                except OSError as exc:
+                except Exception as exc:  # a full disk, a seal that failed: dropped, fetched later
                     log.warning("state_cache_unwritable", error=repr(exc)[:300])
             self._in_memory -= kept.size
             kept.state = None

@@ -41,6 +41,9 @@ from fedmq.services.scheduler.sampling import sample_clients
 log = structlog.get_logger("fedmq.scheduler")
 
 NUDGE_BEFORE = 0.2  # re-dispatch missing tasks when this share of the round's time is left
+# The most tasks of a round sent to one learner's own queue: well inside its prefetch there
+# (learner/service.py CONTROL_PREFETCH), so its DDP control messages never wait behind them.
+HOLDER_SHARE_MAX = 32
 
 # The evaluation loop's: send a round's EvalTasks (returns the clients not sent), and move it on.
 DispatchEval = Callable[[SchedJob, int, list[int]], list[int]]
@@ -100,9 +103,15 @@ class RoundLoop:
         site = job.spec.clients.site(client)
         if site is not None:
             return topology.site_queue(site)
-        if holder and self.ctx.registry.is_free(holder):
+        if holder and self.ctx.registry.is_free(holder) and not self._in_group(holder):
             return topology.learner_queue(holder)
         return topology.TASKS
+
+    def _in_group(self, learner: str) -> bool:
+        """Whether a running DDP job counts `learner` among its group's members (launched, perhaps
+        before the learner's heartbeat says so)."""
+        return any(job.status == RUNNING and job.group and learner in job.group["members"]
+                   for job in self.ctx.jobs.values())
 
     def redispatch_held(self, learner: str) -> None:
         """`learner` died or left: the tasks of running rounds sent to its own queue go to the shared one."""
@@ -132,7 +141,7 @@ class RoundLoop:
         kept = job.holders if keeps_learner_state(job) else None
         # A learner takes back at most its share of the clients whose state it keeps: the rest go to
         # the shared queue (their state fetched), so a round is not held by the busiest learner.
-        share = -(-len(clients) // max(1, self.ctx.registry.alive_count))
+        share = min(HOLDER_SHARE_MAX, -(-len(clients) // max(1, self.ctx.registry.alive_count)))
         taken: dict[str, int] = {}
         for client in clients:
             if client in unserved:

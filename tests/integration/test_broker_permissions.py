@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from fedmq.common.bus import topology
+from fedmq.common.bus.factory import user_of
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
 from fedmq.common.jobspec import JobSpec
@@ -35,7 +36,7 @@ from fedmq.common.messages import (
 )
 from fedmq.common.settings import Settings
 from fedmq.common.task.runtime import TaskRuntime
-from fedmq.services.cli.embedded import embedded_user, run_job
+from fedmq.services.cli.embedded import run_job
 from fedmq.services.scheduler.sampling import sample_clients
 from tests.conftest import EmbeddedRuns, assert_bit_identical, small_job
 from tests.integration import train_plugins
@@ -179,7 +180,7 @@ def test_messages_outside_a_senders_role_are_refused_counted_and_change_nothing(
                 real_update_may_go.set()
 
         def connect(name: str) -> RabbitBus:
-            bus_settings = settings.model_copy(update={"broker_url": deployed.url(embedded_user(name))})
+            bus_settings = settings.model_copy(update={"broker_url": deployed.url(user_of(name))})
             if name in ("scheduler", "aggregator"):
                 return WatchedBus(bus_settings, name, seen)
             return RabbitBus(bus_settings, name)

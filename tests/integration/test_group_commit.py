@@ -147,6 +147,22 @@ def test_updates_that_arrive_together_are_stored_then_announced_in_one_message(t
     assert transport.dead() == []
 
 
+def test_a_large_duplicate_is_announced_as_the_stored_update(transport: Transport) -> None:
+    """An update over a frame (chunked on RabbitMQ, received into a spool file) takes the other
+    path; its duplicate too names the update whose state is kept."""
+    spec = small_job(task__options__model__hidden=[512])  # ~150 kB: over the 64 kB test frame
+    with Cluster(transport, spec).running() as cluster:
+        digest, weights = cluster.open_round_one()
+        first = cluster.updates(digest, weights)[0]
+        cluster.send(first)
+        stored = cluster.reply()
+        assert isinstance(stored, UpdateAccepted) and (stored.learner, stored.state_tag) == ("L1", "tag0")
+        cluster.send(first.model_copy(update={"learner": "L2", "state_tag": "tagX"}))
+        again = cluster.reply()
+        assert isinstance(again, UpdateAccepted) and (again.learner, again.state_tag) == ("L1", "tag0")
+    assert transport.dead() == []
+
+
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to tell files apart")
 def test_a_group_that_cannot_be_stored_waits_with_what_came_after_it_until_it_can(
     transport: Transport, monkeypatch: pytest.MonkeyPatch

@@ -13,9 +13,10 @@ from fedmq.common.allowlist import AllowList, CodeNotAllowed, allowing
 from fedmq.common.coderefs import check_code, code_refs
 from fedmq.common.errors import ConfigError
 from fedmq.common.jobspec import parse_job
+from fedmq.common.refs import import_ref
 from fedmq.common.settings import Settings
 from fedmq.common.strategy.loading import make_strategy, strategy_options
-from fedmq.common.task.loading import import_ref, make_task, task_class
+from fedmq.common.task.loading import make_task, task_class
 from tests.conftest import REPO, small_job
 
 HOSTILE = ["subprocess:run", "os:system", "torch.hub:load", "this:x", "tests.support.outsider:Outsider"]

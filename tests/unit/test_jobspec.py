@@ -163,7 +163,7 @@ def test_an_objective_no_evaluation_measures_is_refused_saying_what_to_add() -> 
 
 
 def test_a_tasks_default_objective_is_left_out_when_the_job_does_not_measure_it() -> None:
-    from fedmq.common.task.loading import complete_spec
+    from fedmq.common.jobcheck import complete_spec
 
     assert complete_spec(parse_job(minimal(task="digits"))).objective is not None  # server.accuracy
     assert complete_spec(parse_job(minimal(task="digits", evaluate={"server": False}))).objective is None

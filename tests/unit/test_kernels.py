@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedmq.common.codec import TensorFile, index_tensors, packb
+from fedmq.common.codec import TensorFile, index_tensors, packb, readahead
 from fedmq.common.errors import AggregationError, DecodeError
 from fedmq.common.jobspec import parse_job
 from fedmq.common.strategy.contract import ClientResult, RoundContext, Strategy
@@ -400,7 +400,7 @@ def _files(tmp_path: Path, states: Sequence[StateDict]) -> list[TensorFile]:
 def test_weighted_mean_of_stored_updates_is_bit_identical_to_the_same_in_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_ahead_bytes: int
 ) -> None:
-    monkeypatch.setattr(mean, "READ_AHEAD_BYTES", read_ahead_bytes)
+    monkeypatch.setattr(readahead, "READ_AHEAD_BYTES", read_ahead_bytes)
     gen = torch.Generator().manual_seed(3)
     states = [{"w": torch.randn(64, 33, generator=gen), "b": torch.randn(7, generator=gen).double(),
                "n": torch.tensor([i], dtype=torch.int64)} for i in range(6)]
@@ -418,7 +418,7 @@ def test_weighted_mean_of_stored_updates_is_bit_identical_to_the_same_in_memory(
 def test_a_stored_update_that_cannot_be_read_fails_the_mean_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(mean, "READ_AHEAD_BYTES", 0)
+    monkeypatch.setattr(readahead, "READ_AHEAD_BYTES", 0)
     states = [{"w": torch.full((100,), float(i))} for i in range(5)]
     files = _files(tmp_path, states)
     Path(files[3].path).write_bytes(b"changed")  # rewritten since it was indexed

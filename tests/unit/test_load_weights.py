@@ -9,9 +9,9 @@ from torch import nn
 
 from fedmq.common.strategy.contract import ClientResult
 from fedmq.services.aggregator.jobs import views
+from fedmq.services.aggregator.kernels.clip import ClippedWeights
 from fedmq.services.aggregator.kernels.mean import WeightedMean
 from fedmq.services.aggregator.rounds import load_weights
-from fedmq.services.aggregator.strategies.clipped import ClippedWeights
 from fedmq.services.aggregator.strategies.fedavg import FedAvg
 
 

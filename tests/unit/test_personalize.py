@@ -155,7 +155,7 @@ def test_personalize_names_what_is_wrong_before_a_job_runs() -> None:
     with pytest.raises(ConfigError, match="fedper needs layers"):
         job(personalize={"method": "fedper"})
     from fedmq.common.task.contract import Personal
-    from fedmq.common.task.personal import own_layers
+    from fedmq.common.task.layers import own_layers
 
     model = Tiny().build_model()
     for patterns in (["head.*"], ["*"]):
@@ -191,7 +191,8 @@ def test_personalize_refuses_what_it_cannot_keep_private_or_apart() -> None:
 
 def test_fedper_keeps_a_heads_buffers_and_no_proximal_term_pulls_its_own_layers() -> None:
     from fedmq.common.task.contract import Personal
-    from fedmq.common.task.personal import own_layers, personal_model, proximal_names
+    from fedmq.common.task.layers import own_layers, proximal_names
+    from fedmq.common.task.personal import personal_model
 
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.BatchNorm1d(2))
     personal = Personal("fedper", ("1.*", "2.*"))

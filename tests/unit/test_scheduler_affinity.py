@@ -131,3 +131,12 @@ def test_a_learner_running_a_ddp_rank_is_sent_no_task(tmp_path: Path) -> None:
                                          interval_s=5.0, group="other-job/1"), time.monotonic())
     service.rounds._dispatch(job_held_by({0: (2, "A", "a")}), 3, [0], to_holders=True)
     assert [(queue, task.state_tag) for queue, task in sent] == [(topology.TASKS, "a")]
+
+
+def test_a_learner_just_launched_into_a_ddp_group_is_sent_no_task(tmp_path: Path) -> None:
+    service, sent = service_with(tmp_path, ["A"])  # its heartbeat does not say so yet
+    ddp = job_held_by({})
+    ddp.job_id, ddp.group = "ddp", {"members": ["A"]}
+    service.jobs[ddp.job_id] = ddp
+    service.rounds._dispatch(job_held_by({0: (2, "A", "a")}), 3, [0], to_holders=True)
+    assert [(queue, task.state_tag) for queue, task in sent] == [(topology.TASKS, "a")]

@@ -6,11 +6,11 @@ import pytest
 
 from fedmq.common import messages
 from fedmq.common.bus.base import Delivery
+from fedmq.common.bus.factory import user_of
 from fedmq.common.bus.memory import MemoryBroker
 from fedmq.common.errors import ValidationError
 from fedmq.common.senders import SENDERS, check_sender, may_send
 from fedmq.common.settings import Settings
-from fedmq.services.cli.embedded import embedded_user
 
 ROLES = Settings(_env_file=None).role_users  # the defaults: each role's own user, and guest
 # Answers and events go to queues only their askers and watchers read: not in the table.
@@ -94,4 +94,4 @@ def test_the_memory_bus_stamps_each_message_with_its_buss_user() -> None:
     ("learner-12", "learner"), ("client", "cli"),
 ])
 def test_the_embedded_services_publish_as_their_deployed_users(bus: str, user: str) -> None:
-    assert embedded_user(bus) == user
+    assert user_of(bus) == user

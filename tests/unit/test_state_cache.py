@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from fedmq.common.codec.updates import RESIDUAL, STATE
+from fedmq.common.messages import TrainTask
+from fedmq.common.metrics import Metrics
+from fedmq.common.settings import Settings
+from fedmq.common.strategy.contract import CLIENT_STATE, LEARNER_STATE
+from fedmq.common.task.runtime import TaskRuntime
 from fedmq.common.task.sealing import StateSealer
 from fedmq.services.learner.statecache import StateCache, state_bytes
+from fedmq.services.learner.work import Work
+from tests.conftest import small_job
 
 KEY = "a learner's key, long enough"
 
@@ -143,3 +150,37 @@ def test_an_older_spilled_file_put_back_in_place_is_not_served_as_the_newer(
     kept.put("job", 0, "round-2", made(1))
     path.write_bytes(older)
     assert kept.get("job", 0, "round-2") is None
+
+
+def test_a_learner_uses_its_copy_only_for_the_training_the_task_names(tmp_path: Path) -> None:
+    """Work.train: round 1 fetches nothing; a task naming this learner's last training uses its copy;
+    once the client is trained again (a nudge's copy), the first tag no longer matches: fetched."""
+    spec = small_job(train__momentum=0.9, train__keep_optimizer_state=True)
+    start = TaskRuntime.for_job(spec).build_model().state_dict()
+    fetched: list[tuple[int, int]] = []
+
+    def fetch_state(job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
+        fetched.append((server_round, client))
+        return {}
+
+    metrics = Metrics()
+    work = Work(Settings(state_dir=tmp_path), "learner-0", lambda job, digest: (dict(start), 0), metrics,
+                fetch_state)
+
+    def task(server_round: int, state_from: int, tag: str = "") -> TrainTask:
+        return TrainTask(job_id="j", task_id=f"j:{server_round}:0", round=server_round, client=0,
+                         model_digest="d", spec=spec.model_dump(mode="json"),
+                         config={CLIENT_STATE: LEARNER_STATE}, state_from=state_from, state_tag=tag)
+
+    first = work.train(task(1, 0))
+    assert fetched == [] and first.state_tag, "round 1: no state anywhere, nothing fetched"
+    second = work.train(task(2, 1, first.state_tag))
+    assert fetched == [], "its own copy of the folded training"
+    again = work.train(task(2, 1, first.state_tag))  # a nudge's copy of round 2, here too
+    assert fetched == [(2, 0)], "its copy is now round 2's: round 1's version is fetched"
+    assert again.state_tag not in ("", second.state_tag)
+    work.train(task(3, 2, second.state_tag))  # the aggregator folded the first round-2 update
+    assert fetched == [(2, 0), (3, 0)], "the copy kept is the other training's: fetched"
+    events = {e: metrics.registry.get_sample_value("fedmq_learner_state_cache_total", {"event": e})
+              for e in ("hit", "miss")}
+    assert events == {"hit": 1.0, "miss": 2.0}

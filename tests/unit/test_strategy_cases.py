@@ -17,7 +17,7 @@ def test_every_builtin_strategy_has_a_digits_case_and_every_case_is_a_builtin() 
     missing = sorted(set(BUILTIN) - set(CASES))
     unknown = sorted(set(CASES) - set(BUILTIN))
     assert not missing, f"add a line to tests/support/strategy_cases.py CASES for {missing}"
-    assert not unknown, f"CASES has {unknown}, which are not in BUILTIN (common/strategy/loading.py)"
+    assert not unknown, f"CASES has {unknown}, which are not in BUILTIN (common/refs.py)"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

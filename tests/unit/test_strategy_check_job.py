@@ -10,7 +10,7 @@ import pytest
 import fedmq
 from fedmq.common.allowlist import AllowList
 from fedmq.common.errors import ConfigError
-from fedmq.common.task.loading import complete_spec
+from fedmq.common.jobcheck import complete_spec
 from fedmq.services.aggregator.jobs import new_job
 from tests.conftest import small_job
 

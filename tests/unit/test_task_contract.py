@@ -14,9 +14,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import fedmq
 from fedmq.common.errors import ConfigError
 from fedmq.common.jobspec import parse_job
+from fedmq.common.refs import ref_of
 from fedmq.common.seeding import torch_generator
 from fedmq.common.task.batches import DataError, source
-from fedmq.common.task.loading import make_task, ref_of, task_class
+from fedmq.common.task.loading import make_task, task_class
 from fedmq.common.task.metrics import MetricError, check_metrics, reduce_metrics
 from fedmq.common.task.runtime import TaskRuntime
 from fedmq.common.usercode import UserCodeError

@@ -8,21 +8,14 @@ so that the result is the same whatever order the updates arrived in.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-from collections import deque
 from collections.abc import Generator, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from fedmq.common.codec.files import TensorFile
 from fedmq.common.errors import AggregationError
 
 StateDict = dict[str, torch.Tensor]
-READ_AHEAD = 2  # results' tensors read from their files while one is folded (each one tensor more)
-READ_AHEAD_BYTES = 1024 * 1024  # smaller tensors are read one after another: a thread costs more
-READ_AHEAD_HELD = 64 * 1024 * 1024  # at most this much read ahead: a 1 GB embedding is read alone
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -49,10 +42,11 @@ class WeightedMean(Mapping[str, torch.Tensor]):
     operations, per element, in the same order): the bits do not depend on how it is read. Reading
     one twice computes it twice.
 
-    Results read from files (TensorFile: the aggregator's stored updates) have a large tensor read
-    ahead, READ_AHEAD results at a time (at most READ_AHEAD_HELD bytes), on other threads while one
-    is folded (a read is a copy out of the page cache, most of a fold's time); their reads are
-    fresh tensors, so the first becomes the sum without a copy.
+    The kernel reads nothing itself: results of one type that says how a column of them is read
+    (`read_column(states, name)`: codec.TensorFile, the aggregator's stored updates, reads large
+    tensors ahead on other threads) are read that way, others one lookup at a time. Results whose
+    lookups are their reader's own (`owned_reads`) give the first tensor to become the sum without
+    a copy.
     """
 
     def __init__(self, results: Iterable[tuple[Mapping[str, torch.Tensor], float]]) -> None:
@@ -69,7 +63,7 @@ class WeightedMean(Mapping[str, torch.Tensor]):
         if total <= 0:
             raise AggregationError("total weight is zero")
         self._total = total
-        self._files = all(isinstance(state, TensorFile) for state, _ in self._results)
+        self._owned = all(getattr(state, "owned_reads", False) for state, _ in self._results)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         with contextlib.closing(self._tensors(name)) as tensors:  # a failure drops the reads ahead
@@ -81,7 +75,7 @@ class WeightedMean(Mapping[str, torch.Tensor]):
         dtype = tensor.dtype
         # A file's read is this fold's own: it may become the sum. Else (a view of a message, a
         # model's own tensor) the sum is a copy.
-        acc = tensor.to(_accumulator_dtype(dtype), copy=not self._files).mul_(next(weights))
+        acc = tensor.to(_accumulator_dtype(dtype), copy=not self._owned).mul_(next(weights))
         del tensor  # a result read from disk: its buffer goes now, not after the fold
         for tensor, weight in zip(tensors, weights, strict=True):
             if tensor.shape != acc.shape:
@@ -122,14 +116,14 @@ class WeightedMean(Mapping[str, torch.Tensor]):
         )
 
     def _tensors(self, name: str) -> Generator[torch.Tensor]:
-        """Each result's tensor `name`, in the results' order."""
+        """Each result's tensor `name`, in the results' order: read as their type reads a column,
+        when they are all of one type that says how."""
         states = [state for state, _ in self._results]
-        if self._files and len(states) > 1:
-            dtype, shape = states[0].meta(name)  # type: ignore[attr-defined]
-            size = math.prod(shape) * dtype.itemsize
-            ahead = min(READ_AHEAD, READ_AHEAD_HELD // max(size, 1))
-            if size >= READ_AHEAD_BYTES and ahead > 0:
-                return _read_ahead(states, name, ahead)
+        kind = type(states[0])
+        read_column = getattr(kind, "read_column", None)
+        if read_column is not None and all(type(state) is kind for state in states):
+            column: Generator[torch.Tensor] = read_column(states, name)
+            return column
         return (state[name] for state in states)
 
     def __iter__(self) -> Iterator[str]:
@@ -140,27 +134,6 @@ class WeightedMean(Mapping[str, torch.Tensor]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._results[0][0]  # Mapping's default would compute the tensor
-
-
-def _read_ahead(states: list[Mapping[str, torch.Tensor]], name: str, ahead: int) -> Generator[torch.Tensor]:
-    """states[i][name] for each i in order, `ahead` of them being read on other threads meanwhile.
-    A read that fails raises here, in order; the reads not yet begun are dropped."""
-    pool, waiting = _readers(), deque[Future[torch.Tensor]]()
-    try:
-        for state in states:
-            waiting.append(pool.submit(state.__getitem__, name))
-            if len(waiting) > ahead:
-                yield waiting.popleft().result()  # no reference kept here once folded
-        while waiting:
-            yield waiting.popleft().result()
-    finally:
-        for future in waiting:
-            future.cancel()
-
-
-@functools.cache
-def _readers() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(READ_AHEAD + 1, thread_name_prefix="fold-read")
 
 
 def server_momentum(

@@ -1,4 +1,4 @@
 """The built-in server strategies, one per module, each written against fedmq's public Strategy contract.
 
-They are found by name through fedmq.common.strategy.loading.BUILTIN.
+They are found by name through fedmq.common.refs.STRATEGIES.
 """

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -45,6 +45,7 @@ from fedmq.common.strategy.contract import (
     StrategyOptions,
 )
 from fedmq.common.strategy.loading import make_strategy, strategy_class, strategy_options
+from fedmq.services.aggregator.kernels.clip import ClippedWeights
 from fedmq.services.aggregator.kernels.private import delta_norm
 from fedmq.services.aggregator.strategies.options import BuiltinOptions
 
@@ -120,23 +121,3 @@ def _clipping_loader(
 ) -> Callable[[], Mapping[str, torch.Tensor]]:
     """A ClientResult loader giving the client's weights with its delta scaled by `scale`."""
     return lambda: ClippedWeights(result.load(), current, scale)
-
-
-class ClippedWeights(Mapping[str, torch.Tensor]):
-    """w + scale·(new − w), tensor by tensor when looked up: a client's weights with a shrunk delta."""
-
-    def __init__(self, new: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor], scale: float):
-        self._new, self._current, self._scale = new, current, scale
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        new = self._new[name]
-        if not new.dtype.is_floating_point:
-            return new
-        base = self._current[name].to(torch.float64)
-        return (new.to(torch.float64) - base).mul_(self._scale).add_(base).to(new.dtype)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._new)
-
-    def __len__(self) -> int:
-        return len(self._new)
