@@ -47,6 +47,7 @@ from fedmq.common.allowlist import AllowList, CodeNotAllowed
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
 from fedmq.common.errors import DecodeError, FedmqError, StateUnwritable, ValidationError
+from fedmq.common.inbox import Inbox, reject
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientUpdate,
@@ -63,7 +64,6 @@ from fedmq.common.messages import (
     to_wire,
 )
 from fedmq.common.metrics import Metrics, reason_label
-from fedmq.common.senders import check_sender
 from fedmq.common.settings import Settings
 from fedmq.common.speclimits import SpecTooLarge
 from fedmq.common.statefiles import remove_temps
@@ -97,6 +97,8 @@ class AggregatorService:
         self.root = Path(settings.state_dir) / "aggregator"
         self.jobs: dict[str, AggJob] = {}
         self.senders = settings.role_users
+        self.inbox = Inbox(self.senders, settings.max_message_bytes, decode=self._decode,
+                           refused=self._count_refused, service="aggregator")
         self.models = ModelServer(bus, self.jobs, self.senders, settings.users_of_sites, ddp_root=self.root)
         self.retry = StateRetry(bus, self.metrics, settings)
         self.pruner = Pruner(settings)
@@ -137,10 +139,8 @@ class AggregatorService:
             self._process(delivery)
 
     def _process(self, delivery: Delivery) -> None:
-        try:
-            msg = self._decode(delivery)
-        except DecodeError as exc:
-            self._reject(delivery, "decode", str(exc))
+        msg = self.inbox.open(delivery)
+        if msg is None:
             return
         if not isinstance(msg, ClientUpdate) and not self.commits.commit(then=delivery):
             return  # the updates before it are stored and announced first: they wait, and so does it
@@ -148,7 +148,6 @@ class AggregatorService:
             with structlog.contextvars.bound_contextvars(
                 job=msg.job_id, round=getattr(msg, "round", None), client=getattr(msg, "client", None)
             ):
-                check_sender(msg.type, delivery.user_id, self.senders)  # type: ignore[attr-defined]
                 if self._handle(msg, delivery) == "deferred":
                     return
         except StateUnwritable as exc:
@@ -161,10 +160,8 @@ class AggregatorService:
             self.failures.over_limit(msg.job_id, exc)
         except (DecodeError, ValidationError) as exc:
             reason = exc.reason if isinstance(exc, ValidationError) else "decode"
-            if isinstance(msg, ClientUpdate | GroupUpdate):  # a refused group: each of its members
-                count = len(msg.members) if isinstance(msg, GroupUpdate) else 1
-                self.metrics.updates_rejected.labels(reason_label(reason)).inc(count)
-            self._reject(delivery, reason, getattr(exc, "detail", str(exc)))
+            self._count_refused(msg, reason)
+            reject(delivery, reason, getattr(exc, "detail", str(exc)), log)
             return
         self.retry.succeeded()
         delivery.ack()
@@ -176,9 +173,10 @@ class AggregatorService:
             return from_wire_file(delivery.body_path, max_bytes=limit)
         return from_wire(delivery.body, max_bytes=limit)
 
-    def _reject(self, delivery: Delivery, reason: str, detail: str) -> None:
-        log.warning("message_rejected", reason=reason, detail=detail[:500])
-        delivery.reject(f"{reason}: {detail}")
+    def _count_refused(self, msg: Message, reason: str) -> None:
+        if isinstance(msg, ClientUpdate | GroupUpdate):  # a refused group: each of its members
+            count = len(msg.members) if isinstance(msg, GroupUpdate) else 1
+            self.metrics.updates_rejected.labels(reason_label(reason)).inc(count)
 
     def _handle(self, msg: Message, delivery: Delivery) -> Literal["deferred"] | None:
         """Handle a message; "deferred": its delivery is settled later (accept_update)."""

@@ -35,9 +35,10 @@ from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body, Bus, Delivery
 from fedmq.common.codec import TensorFile
-from fedmq.common.errors import BrokerUnavailable, DecodeError, FedmqError, ValidationError
+from fedmq.common.errors import BrokerUnavailable, FedmqError
 from fedmq.common.groups import group_of, groupable
 from fedmq.common.heap import large_buffers_unmapped
+from fedmq.common.inbox import Inbox
 from fedmq.common.messages import (
     ClientStateGet,
     ClientStateReply,
@@ -57,7 +58,6 @@ from fedmq.common.messages import (
     to_wire_parts,
 )
 from fedmq.common.metrics import Metrics
-from fedmq.common.senders import check_sender
 from fedmq.common.settings import Settings
 from fedmq.common.task.sealing import StateSealer
 from fedmq.services.learner.ddp import DdpRunner
@@ -105,6 +105,11 @@ class LearnerService:
         self._held_lock = threading.Lock()
         self.redelivered = 0  # tasks that reached this learner marked as redelivered
         self.ddp = DdpRunner(bus, self.name, self.node, Path(settings.state_dir) / "learner", self._fetch)
+        # The shared (or a site's) task queue, and its own: control messages, tasks sent back to it.
+        self.tasks_inbox = Inbox(settings.role_users, settings.frame_bytes, takes=(TrainTask, EvalTask),
+                                 service="learner")
+        self.control_inbox = Inbox(settings.role_users, settings.frame_bytes,
+                                   takes=(TrainTask, DdpLaunch, DdpStop), service="learner")
 
     @property
     def device(self) -> torch.device:
@@ -172,19 +177,9 @@ class LearnerService:
         return self._worker is None or not self._worker.is_alive()
 
     def on_task(self, delivery: Delivery) -> None:
-        try:
-            task = _task(from_wire(delivery.body, max_bytes=self.settings.frame_bytes))
-        except DecodeError as exc:
-            log.warning("message_rejected", reason="decode", detail=str(exc))
-            delivery.reject(f"decode: {exc}")
-            return
-        try:
-            check_sender(task.type, delivery.user_id, self.settings.role_users)
-        except ValidationError as exc:
-            log.warning("message_rejected", reason=exc.reason, detail=exc.detail[:500])
-            delivery.reject(str(exc))
-            return
-        self._take(task, delivery)
+        task = self.tasks_inbox.open(delivery)
+        if isinstance(task, TrainTask | EvalTask):
+            self._take(task, delivery)
 
     def _take(self, task: Task, delivery: Delivery) -> None:
         """A checked task, to the training thread."""
@@ -198,21 +193,15 @@ class LearnerService:
     def on_control(self, delivery: Delivery) -> None:
         """The scheduler's DdpLaunch and DdpStop for this learner, and the tasks of clients whose
         state it keeps (learner/statecache.py)."""
-        try:
-            msg = from_wire(delivery.body, max_bytes=self.settings.frame_bytes)
-            check_sender(msg.type, delivery.user_id, self.settings.role_users)  # type: ignore[attr-defined]
-            if isinstance(msg, TrainTask):
-                self._take(msg, delivery)
-                return
-            if not isinstance(msg, DdpLaunch | DdpStop):
-                raise DecodeError(f"unexpected message type {msg.type!r} on a learner's own queue")  # type: ignore[attr-defined]
-        except (DecodeError, ValidationError) as exc:
-            log.warning("message_rejected", reason=getattr(exc, "reason", "decode"), detail=str(exc)[:500])
-            delivery.reject(str(exc))
+        msg = self.control_inbox.open(delivery)
+        if msg is None:
+            return
+        if isinstance(msg, TrainTask):
+            self._take(msg, delivery)
             return
         if isinstance(msg, DdpLaunch):
             self.ddp.launch(msg, self._check_entry)
-        else:
+        elif isinstance(msg, DdpStop):
             self.ddp.stop(msg)
         delivery.ack()
 
@@ -440,9 +429,3 @@ class LearnerService:
 
 def _stacked_bytes(updates: list[ClientUpdate]) -> int:
     return sum(t.numel() * t.element_size() for u in updates for t in u.weights.values())
-
-
-def _task(msg: Message) -> Task:
-    if isinstance(msg, TrainTask | EvalTask):
-        return msg
-    raise DecodeError(f"unexpected message type {msg.type!r} on the task queue")  # type: ignore[attr-defined]

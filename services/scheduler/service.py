@@ -37,6 +37,7 @@ from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
 from fedmq.common.coderefs import check_code
 from fedmq.common.errors import ConfigError, DecodeError, StateUnwritable, ValidationError
+from fedmq.common.inbox import Inbox, reject
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientFailure,
@@ -54,11 +55,10 @@ from fedmq.common.messages import (
     StatusRequest,
     UpdateAccepted,
     UpdatesAccepted,
-    from_wire,
     to_wire,
 )
 from fedmq.common.metrics import Metrics, reason_label
-from fedmq.common.senders import check_sender, check_site_sender
+from fedmq.common.senders import check_site_sender
 from fedmq.common.settings import Settings
 from fedmq.common.speclimits import SpecTooLarge
 from fedmq.common.stateretry import StateRetry
@@ -83,6 +83,7 @@ class SchedulerService:
     ) -> None:
         self.settings = settings
         self.senders = settings.role_users
+        self.inbox = Inbox(self.senders, settings.frame_bytes, service="scheduler")
         self.bus = bus
         self.metrics = metrics or Metrics()
         self.allowed = allowed or AllowList.services(settings.allowed_prefixes)
@@ -156,9 +157,10 @@ class SchedulerService:
             self.bus.call_later(1.0, self._sweep)
 
     def on_message(self, delivery: Delivery) -> None:
+        msg = self.inbox.open(delivery)
+        if msg is None:
+            return
         try:
-            msg = from_wire(delivery.body, max_bytes=self.settings.frame_bytes)
-            check_sender(msg.type, delivery.user_id, self.senders)  # type: ignore[attr-defined]
             if isinstance(msg, Heartbeat | StatusRequest):
                 self._answer(msg, delivery)
                 delivery.ack()
@@ -170,9 +172,10 @@ class SchedulerService:
             self.retry.later(exc, functools.partial(self.on_message, delivery))
             return
         except (DecodeError, ValidationError) as exc:
-            reason = exc.reason if isinstance(exc, ValidationError) else "decode"
-            log.warning("message_rejected", reason=reason, detail=str(exc)[:500])
-            delivery.reject(str(exc) if isinstance(exc, ValidationError) else f"decode: {exc}")
+            if isinstance(exc, ValidationError):
+                reject(delivery, exc.reason, exc.detail, log)
+            else:
+                reject(delivery, "decode", str(exc), log)
             return
         job = self.jobs.get(msg.job_id)
         if job is not None:  # its row durable before the ack, saved once for what came with it
