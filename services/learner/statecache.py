@@ -33,6 +33,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from fedmq.common.codec.compress import encoded_nbytes
 from fedmq.common.codec.state import decode_state, encode_state
 from fedmq.common.codec.updates import RESERVED
 from fedmq.common.task.sealing import StateSealer
@@ -41,10 +42,6 @@ from fedmq.common.task.state import STATE
 log = structlog.get_logger("fedmq.learner")
 
 Key = tuple[str, int]  # (job id, client)
-
-
-def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 TAG = "fedmq.cache.tag"  # a spilled file's own tag, sealed with its state where the learner seals
@@ -80,10 +77,11 @@ class StateCache:
                 stale.unlink(missing_ok=True)
 
     def put(self, job_id: str, client: int, tag: str, state: Mapping[str, torch.Tensor]) -> None:
-        """The state `client` made in the training tagged `tag` (its update's fedmq entries, in the
-        clear). A spill that fails (a full disk) drops what it could not write: fetched later."""
+        """The state `client` made in the training tagged `tag`: of its update's extras and state (in
+        the clear), fedmq's entries are kept. A spill that fails (a full disk) drops what it could
+        not write: fetched later."""
         kept = {k: v for k, v in state.items() if k.startswith(RESERVED)}
-        size = state_bytes(kept)
+        size = encoded_nbytes(kept)
         with self._lock:
             self._drop((job_id, client))
             if not tag:

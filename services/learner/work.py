@@ -32,7 +32,6 @@ from fedmq.common.codec.compress import CompressionSpec, Residual
 from fedmq.common.codec.updates import (
     check_no_prefix,
     compress_update,
-    residual_entries,
     split_residual,
     with_prefix,
 )
@@ -79,6 +78,12 @@ def _folder_name(learner: str) -> str:
     """A learner's own folder: its name made safe, and a hash of it (`a/b` and `a-b` differ)."""
     safe = re.sub(r"[^A-Za-z0-9_-]", "-", learner)[:64]
     return f"{safe}-{hashlib.sha256(learner.encode()).hexdigest()[:12]}"
+
+
+def _own_copy_kept(task: TrainTask) -> bool:
+    """Whether learners alone make the task's client state and the scheduler tracks whose copy is
+    the folded one (TrainTask.state_from): a learner keeps its own and may use it."""
+    return task.config.get(CLIENT_STATE) == LEARNER_STATE and task.state_from is not None
 
 
 def _no_state(job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
@@ -366,11 +371,11 @@ class Work:
                                 str(exc), round=task.round, client=task.client) from None
         update = self._update(job, task, weights, state, result, seconds, fetched - started, fetch_bytes,
                               residual)
-        if task.config.get(CLIENT_STATE) == LEARNER_STATE and task.state_from is not None:
+        if _own_copy_kept(task):
             # Kept here too (the scheduler tracks who holds what), in the clear, under a tag of this
             # training: the scheduler names it back only if the aggregator folded this very update.
             tag = secrets.token_hex(16)
-            self.kept.put(task.job_id, task.client, tag, residual_entries({**update.extras, **entries}))
+            self.kept.put(task.job_id, task.client, tag, {**update.extras, **entries})
             update = update.model_copy(update={"state_tag": tag})
         return update.model_copy(update={"extras": {**update.extras, **sent}}) if sent else update
 
@@ -550,7 +555,7 @@ class Work:
     def _kept_state(self, task: TrainTask) -> dict[str, torch.Tensor]:
         """The client's state before the task's round: none yet, this learner's own copy of the
         version the aggregator keeps, or that version fetched (learner/statecache.py)."""
-        if task.config.get(CLIENT_STATE) == LEARNER_STATE and task.state_from is not None:
+        if _own_copy_kept(task):
             if task.state_from == 0:
                 return {}  # no round has folded this client yet: nothing kept anywhere
             own = self.kept.get(task.job_id, task.client, task.state_tag)

@@ -59,8 +59,9 @@ class SchedJob:
         return self.evaluation if self.evaluation is not None else self.state
 
 
-def keeps_learner_state(job: SchedJob) -> bool:
-    """Whether the job's clients train on state only learners make, so a learner's copy may serve."""
+def tracks_holders(job: SchedJob) -> bool:
+    """Whether the job's clients train on state only learners make and the scheduler knows, for
+    each, whose copy is the folded one (so a learner's copy may serve)."""
     return job.holders is not None and job.config.get(CLIENT_STATE) == LEARNER_STATE
 
 

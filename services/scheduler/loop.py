@@ -33,7 +33,7 @@ from fedmq.services.scheduler.jobs import (
     FAILED,
     RUNNING,
     SchedJob,
-    keeps_learner_state,
+    tracks_holders,
 )
 from fedmq.services.scheduler.rounds import Decision, RoundState
 from fedmq.services.scheduler.sampling import sample_clients
@@ -138,7 +138,7 @@ class RoundLoop:
         task sent again (a nudge, a retry) goes to the shared queue, where any learner takes it."""
         unserved = self.unserved(job, clients)
         messages = [] if first is None else [first]
-        kept = job.holders if keeps_learner_state(job) else None
+        kept = job.holders if tracks_holders(job) else None
         # A learner takes back at most its share of the clients whose state it keeps: the rest go to
         # the shared queue (their state fetched), so a round is not held by the busiest learner.
         share = min(HOLDER_SHARE_MAX, -(-len(clients) // max(1, self.ctx.registry.alive_count)))

@@ -120,7 +120,7 @@ def _from_row(row: dict[str, Any]) -> dict[str, Any]:
         "evaluation": _state_from_row(row.get("evaluation")),
         "eval_reports": {int(c): r for c, r in row.get("eval_reports", [])},
         "holders": (None if row.get("holders") is None
-                    else {int(c): (int(r), str(name), str(tag)) for c, r, name, tag, *_ in row["holders"]}),
+                    else {int(c): (int(r), str(name), str(tag)) for c, r, name, tag in row["holders"]}),
     }
 
 
@@ -152,5 +152,5 @@ def _state_from_row(row: dict[str, Any] | None) -> RoundState | None:
     row["failed"] = {int(c): str(r) for c, r in row["failed"]}
     row["phases"] = {int(c): str(p) for c, p in row.get("phases", [])}
     row["final"] = {int(c) for c in row.get("final", [])}  # rows written before it: none final
-    row["learners"] = {int(c): (str(name), str(tag)) for c, name, tag, *_ in row.get("learners", [])}
+    row["learners"] = {int(c): (str(name), str(tag)) for c, name, tag in row.get("learners", [])}
     return RoundState(**row)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedmq.common.codec.compress import encoded_nbytes
 from fedmq.common.codec.updates import RESIDUAL, STATE
 from fedmq.common.messages import TrainTask
 from fedmq.common.metrics import Metrics
@@ -16,7 +17,7 @@ from fedmq.common.settings import Settings
 from fedmq.common.strategy.contract import CLIENT_STATE, LEARNER_STATE
 from fedmq.common.task.runtime import TaskRuntime
 from fedmq.common.task.sealing import StateSealer
-from fedmq.services.learner.statecache import StateCache, state_bytes
+from fedmq.services.learner.statecache import StateCache
 from fedmq.services.learner.work import Work
 from tests.conftest import small_job
 
@@ -76,7 +77,7 @@ def test_a_served_state_is_a_copy_training_may_change(tmp_path: Path) -> None:
 
 
 def test_over_memory_the_least_recently_used_spill_and_come_back_bit_for_bit(tmp_path: Path) -> None:
-    one = state_bytes(kept_part(made(0)))
+    one = encoded_nbytes(kept_part(made(0)))
     kept, events = cache(tmp_path, memory=2 * one, disk=10 * one)
     for client in range(4):
         kept.put("job", client, f"t{client}", made(client))
@@ -88,7 +89,7 @@ def test_over_memory_the_least_recently_used_spill_and_come_back_bit_for_bit(tmp
 
 
 def test_spilled_task_state_is_sealed_on_disk_and_a_tampered_file_is_fetched_instead(tmp_path: Path) -> None:
-    one = state_bytes(kept_part(made(0)))
+    one = encoded_nbytes(kept_part(made(0)))
     kept, events = cache(tmp_path, memory=one, disk=10 * one, sealer=StateSealer(KEY))
     kept.put("job", 0, "t0", made(0))
     kept.put("job", 1, "t1", made(1))  # client 0 goes to disk
@@ -107,7 +108,7 @@ def test_spilled_task_state_is_sealed_on_disk_and_a_tampered_file_is_fetched_ins
 
 
 def test_over_disk_the_oldest_go_and_a_state_larger_than_both_is_not_kept(tmp_path: Path) -> None:
-    one = state_bytes(kept_part(made(0)))
+    one = encoded_nbytes(kept_part(made(0)))
     kept, events = cache(tmp_path, memory=one, disk=one)
     for client in range(3):
         kept.put("job", client, f"t{client}", made(client))
@@ -119,7 +120,7 @@ def test_over_disk_the_oldest_go_and_a_state_larger_than_both_is_not_kept(tmp_pa
 
 
 def test_a_new_process_never_trusts_files_an_earlier_one_spilled(tmp_path: Path) -> None:
-    one = state_bytes(kept_part(made(0)))
+    one = encoded_nbytes(kept_part(made(0)))
     kept, _ = cache(tmp_path, memory=0, disk=10 * one)
     kept.put("job", 0, "t0", made(0))
     assert list((tmp_path / "kept").glob("*.state"))
@@ -130,7 +131,7 @@ def test_a_new_process_never_trusts_files_an_earlier_one_spilled(tmp_path: Path)
 
 @pytest.mark.parametrize("sealer", [None, StateSealer(KEY)], ids=["clear", "sealed"])
 def test_close_forgets_everything(tmp_path: Path, sealer: StateSealer | None) -> None:
-    one = state_bytes(kept_part(made(0)))
+    one = encoded_nbytes(kept_part(made(0)))
     kept, _ = cache(tmp_path, memory=one, disk=10 * one, sealer=sealer)
     for client in range(3):
         kept.put("job", client, f"t{client}", made(client))
