@@ -167,8 +167,10 @@ class LearnerService:
         threading.Thread(target=self.ddp.shutdown, daemon=True).start()  # not in a signal handler
 
     def close(self) -> None:
-        """After the bus stopped: the fetched models' files go."""
+        """After the bus stopped: the fetched models' files go, and the client state it spilled (the
+        aggregator keeps the durable copy)."""
         self.models.close()
+        self.work.kept.close()
 
     def join(self, timeout: float | None = None) -> bool:
         """After shutdown(): wait for the training thread to end; False if it still trains."""
