@@ -11,7 +11,7 @@ from typing import Protocol, TypeVar
 import structlog
 
 from fedmq.common.bus.base import Bus
-from fedmq.common.bus.factory import RabbitBuses
+from fedmq.common.bus.factory import bus_of_process
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.metrics import Metrics
 from fedmq.common.settings import Settings
@@ -50,7 +50,7 @@ def run_service(
     """
     if uses_torch:
         limit_torch_threads(settings.torch_threads)
-    bus = RabbitBuses(settings).connect(name)
+    bus = bus_of_process(settings, name)
     metrics = Metrics()
     bus.on_traffic = metrics.traffic
     bus.on_dead_letter = metrics.dead_letter

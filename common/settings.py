@@ -19,6 +19,8 @@ from fedmq.common.tls import client_context
 
 MiB = 1024 * 1024
 
+MEMORY_URL = "memory://"  # FEDMQ_BROKER_URL for the in-memory broker of one process
+
 # A comma starts the next address only where a URL scheme follows: a comma inside one URL
 # (a password, a query) stays in it.
 _NEXT_URL = re.compile(r"\s*,\s*(?=[A-Za-z][A-Za-z0-9+.-]*://)")
@@ -36,7 +38,8 @@ class Settings(BaseSettings):
         "amqp://guest:guest@127.0.0.1:5672/%2F",
         description="AMQP URL of RabbitMQ (amqp or amqps); for a cluster, one URL per node, "
         "comma-separated: a lost connection moves to the next. Leave the password out of it "
-        "(amqp://user@host/vhost) and give it in FEDMQ_BROKER_PASSWORD_FILE",
+        "(amqp://user@host/vhost) and give it in FEDMQ_BROKER_PASSWORD_FILE. memory:// is one "
+        "process's in-memory broker (common/bus/factory.py): only for all services in one process",
         repr=False,  # __repr_args__ shows it with the password hidden
     )
     broker_password: SecretStr | None = Field(
@@ -255,9 +258,14 @@ class Settings(BaseSettings):
         urls = split_urls(value)
         if not urls:
             raise ValueError("must name at least one broker: amqp://user:password@host:port/vhost")
+        if MEMORY_URL in urls:
+            if len(urls) > 1:
+                raise ValueError(f"{MEMORY_URL} is this process's own broker: it stands alone, not in a list")
+            return MEMORY_URL
         for url in urls:
             if urlsplit(url).scheme not in {"amqp", "amqps"}:
-                raise ValueError(f"{redact_url(url)}: must start with amqp:// or amqps://")
+                raise ValueError(
+                    f"{redact_url(url)}: must start with amqp:// or amqps:// (or be {MEMORY_URL})")
         return ",".join(urls)
 
     @model_validator(mode="after")
@@ -267,8 +275,9 @@ class Settings(BaseSettings):
             if any(urlsplit(url).scheme == "amqps" for url in self.broker_urls):
                 self.tls_context()  # every file is read and checked now, not at the first connect
             elif self.tls_ca_file or self.tls_cert_file or self.tls_key_file:
+                scheme = "memory://" if self.in_memory else "amqp://"
                 raise ConfigError(
-                    "FEDMQ_TLS_* files are set but FEDMQ_BROKER_URL is amqp://: use amqps:// "
+                    f"FEDMQ_TLS_* files are set but FEDMQ_BROKER_URL is {scheme}: use amqps:// "
                     "(RabbitMQ's TLS port, 5671 by default)"
                 )
         except ConfigError as exc:
@@ -327,6 +336,11 @@ class Settings(BaseSettings):
         return parse_prefixes(self.allowed_code)
 
     @property
+    def in_memory(self) -> bool:
+        """Whether the broker is this process's own, in memory (FEDMQ_BROKER_URL=memory://)."""
+        return self.broker_url == MEMORY_URL
+
+    @property
     def safe_broker_url(self) -> str:
         """The broker URLs with their passwords hidden, fit for logs and error messages."""
         return ", ".join(redact_url(url) for url in self.broker_urls)
@@ -373,6 +387,9 @@ def check_credentials(settings: Settings) -> None:
     if settings.broker_password is not None and settings.broker_password_file is not None:
         raise ConfigError("set FEDMQ_BROKER_PASSWORD_FILE or FEDMQ_BROKER_PASSWORD, not both")
     from_setting = settings.broker_password is not None or settings.broker_password_file is not None
+    if from_setting and settings.in_memory:
+        raise ConfigError("FEDMQ_BROKER_PASSWORD* is set but FEDMQ_BROKER_URL is memory://, where no one "
+                          "logs in: unset the password, or give the broker's amqp:// URL")
     for url in settings.broker_urls:
         parts = urlsplit(url)
         if parts.password is not None and from_setting:

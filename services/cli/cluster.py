@@ -38,7 +38,7 @@ def _remote_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from fedmq.common.errors import BrokerUnavailable
+        from fedmq.common.errors import BrokerUnavailable, ConfigError
         from fedmq.services.cli.remote import SchedulerSilent
 
         with _on_interrupt(lambda: "interrupted"):
@@ -47,6 +47,9 @@ def _remote_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             except (BrokerUnavailable, SchedulerSilent) as exc:
                 err.print(f"[red]error:[/] {exc}", highlight=False)
                 raise typer.Exit(EXIT_UNREACHABLE) from None
+            except ConfigError as exc:  # the settings cannot reach a broker (memory://)
+                err.print(f"[red]error:[/] {exc}", highlight=False)
+                raise typer.Exit(EXIT_USAGE) from None
 
     return wrapper
 

@@ -10,7 +10,7 @@ from rich.table import Column, Table
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
-from fedmq.common.bus.factory import RabbitBuses
+from fedmq.common.bus.factory import bus_of_process
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.errors import DecodeError, FedmqError
 from fedmq.common.messages import Message, StatusReply, StatusRequest, expect, from_wire, to_wire
@@ -48,7 +48,7 @@ class Remote:
         self.settings = settings
         self._own: RabbitBus | None = None
         if bus is None:
-            bus = self._own = RabbitBuses(settings).connect("fedmq-cli")
+            bus = self._own = bus_of_process(settings, "fedmq-cli")
         self.bus = bus
         self._thread = threading.Thread(target=self.bus.run, name="cli-bus", daemon=True)
 
