@@ -78,7 +78,7 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
                 else:
                     loss, metrics = split_loss(task.loss(model, batch))  # type: ignore[attr-defined]
                     total = loss + mu / 2 * sum((p - a).pow(2).sum() for p, a in anchors) if anchors else loss
-                    total.backward()
+                    backward(total)
                 if controls is not None:
                     controls.correct()
                 optimizer.step()
@@ -92,10 +92,32 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
     return _finished(optimizer, names, ctx, _result(seen, sums, controls, _spent(src, ctx, steps)))
 
 
+def backward(loss: torch.Tensor) -> None:
+    """`loss.backward()`, the same gradients, without its Python checks for the common case.
+
+    A plain scalar float tensor that requires grad goes straight to autograd's engine with a
+    gradient of one, as `torch.autograd.backward` sends it after its checks: measured here, those
+    checks were a sixth of a small model's step (~50 µs of ~300). Anything else (a tensor
+    subclass, a loss that needs no grad) takes `backward()` itself, to fail or dispatch as it does."""
+    if (type(loss) is not torch.Tensor or not loss.requires_grad or loss.dim() != 0
+            or not loss.dtype.is_floating_point or _ENGINE is None):
+        loss.backward()
+        return
+    _ENGINE((loss,), (torch.ones_like(loss, memory_format=torch.preserve_format),), False, False, (),
+            allow_unreachable=True, accumulate_grad=True)
+
+
+# The call into autograd's engine that torch.autograd.backward makes after its checks (it keeps the
+# context the engine's device threads need); None where this torch has none: backward() then.
+_ENGINE = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
 def _finished(optimizer: Sgd | Adam, names: list[str], ctx: TrainContext, result: TrainResult) -> TrainResult:
-    """`result`, the optimizer's state kept in the client's state first when the spec asks for it."""
+    """`result`, the optimizer's state kept in the client's state first when the spec asks for it.
+    The model is left without gradients (a model's worth of memory no one reads again)."""
     if ctx.train.keep_optimizer_state:
         ctx.state.update(optimizer.state_entries(names))
+    optimizer.zero_grad(set_to_none=True)
     return result
 
 
@@ -191,7 +213,7 @@ class _Sums:
         if not self.values or seen == 0:
             return {}
         names = list(self.values)
-        terms = torch.cat([self._terms(n) for n in names]).cpu().tolist()  # the one host sync
+        terms = self._all_terms(names)
         out, at = {}, 0
         for name in names:
             total = 0.0
@@ -200,6 +222,20 @@ class _Sums:
             at += len(self.sizes[name])
             out[name] = total / seen
         return out
+
+    def _all_terms(self, names: list[str]) -> list[float]:
+        """Every step's value × size, name after name, with one host sync.
+
+        The common case (every value a 0-dim float tensor of one dtype and device) is one stack
+        read as Python floats and multiplied there: a float64 product as `_terms` makes it (a float
+        tensor converts to float64 exactly either way), in two operations instead of about six a name."""
+        values = [v for n in names for v in self.values[n]]
+        if all(type(v) is torch.Tensor and v.dim() == 0 and v.is_floating_point() for v in values) \
+                and len({(v.dtype, v.device) for v in values}) == 1:  # type: ignore[union-attr]
+            read = torch.stack(values).tolist()  # type: ignore[arg-type]  # the one host sync
+            sizes = [size for n in names for size in self.sizes[n]]
+            return [value * size for value, size in zip(read, sizes, strict=True)]
+        return list(torch.cat([self._terms(n) for n in names]).cpu().tolist())  # the one host sync
 
     def _terms(self, name: str) -> torch.Tensor:
         """Each step's value × size, in float64, on the device."""

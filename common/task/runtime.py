@@ -126,7 +126,7 @@ class TaskRuntime:
     ) -> tuple[dict[str, torch.Tensor], TrainResult]:
         """`train`, with the trained model's state_dict (its own tensors), found finite and of the
         names, shapes and dtypes it had before."""
-        before = _shapes(model.state_dict())
+        before = _shapes(model.state_dict(keep_vars=True))  # no detached copies: only looked at
         method = "train" if has_train(self.task) else "loss"
         if method == "train" and ctx.train.dp_sgd is not None:  # the CLI refuses it before publishing
             raise ConfigError(

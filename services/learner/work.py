@@ -120,8 +120,12 @@ class JobContext:
             # names, shapes and dtypes known to match: a copy each, not load_state_dict's walk.
             with torch.no_grad():
                 for name, tensor in self.model.state_dict(keep_vars=True).items():
-                    fresh = torch.empty_like(tensor)  # the model's own layout (channels_last stays)
-                    fresh.copy_(weights[name])
+                    given = weights[name]
+                    if given.stride() == tensor.stride() and given.device == tensor.device:
+                        fresh = given.clone()  # laid out as the model's: one copy, not empty + copy_
+                    else:
+                        fresh = torch.empty_like(tensor)  # the model's own layout (channels_last stays)
+                        fresh.copy_(given)
                     tensor.data = fresh
             self.lent = False
             return
@@ -162,7 +166,8 @@ class JobContext:
         task trains. On the host, when the Task promises nothing else keeps views of them
         (Task.lean_memory), the model's own, lent: its next `load` gives the model fresh ones (a copy
         would hold a large model twice); else copied to the host."""
-        self.model.zero_grad(set_to_none=True)  # a model's worth of memory no one reads again
+        if has_train(self.runtime.task):  # fedmq's loop leaves none (a walk of the model's modules)
+            self.model.zero_grad(set_to_none=True)  # a model's worth of memory no one reads again
         state = self.model.state_dict() if state is None else state
         if self.runtime.task.lean_memory and all(t.device.type == "cpu" for t in state.values()):
             self.lent = True

@@ -125,3 +125,21 @@ def test_a_parameter_a_custom_backward_gives_no_gradient_is_left_alone() -> None
         _NoGradForWeight.apply(x, w).sum().backward()
     assert fired == [None], "torch calls the hook all the same"
     assert torch.equal(w, torch.ones(3))
+
+
+def test_the_loops_backward_gives_the_gradients_of_backward_and_its_errors() -> None:
+    from fedmq.common.task.loop import backward
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    x, y = torch.randn(11, 5), torch.randint(0, 3, (11,))
+    grads = []
+    for step in (lambda loss: loss.backward(), backward):
+        model.zero_grad(set_to_none=True)
+        step(torch.nn.functional.cross_entropy(model(x), y))
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[1]) == 4 and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    with pytest.raises(RuntimeError, match="only for scalar outputs"):
+        backward(model(x).sum(dim=1))  # not a scalar: backward() itself says so
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        backward(torch.ones(()))

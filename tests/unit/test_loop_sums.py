@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fedmq.common.task.loop import _Sums
@@ -27,6 +28,25 @@ def test_sums_kept_per_step_are_the_step_by_step_float64_sums_bit_for_bit() -> N
     seen = sum(size for _, _, size in steps)
     assert sums.means(seen) == {name: float(v) / seen for name, v in expected.items()}
     assert counts["late"] == 2 and _Sums(torch.device("cpu")).means(seen) == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_sums_of_scalar_tensors_only_read_at_once_have_the_float64_bits_too(dtype: torch.dtype) -> None:
+    # The common case (every value a 0-dim float tensor of one dtype) is read in one stack and
+    # multiplied in Python: the same float64 products, added in the same order.
+    gen = torch.Generator().manual_seed(5)
+    sums = _Sums(torch.device("cpu"))
+    expected: dict[str, torch.Tensor] = {}
+    seen = 0
+    for _ in range(41):
+        loss, acc = (torch.rand((), generator=gen) * 9).to(dtype), torch.rand((), generator=gen).to(dtype)
+        size = int(torch.randint(1, 33, (), generator=gen))
+        sums.add(loss, {"acc": acc}, size)
+        seen += size
+        for name, value in (("loss", loss), ("acc", acc)):
+            term = value.to(torch.float64) * size
+            expected[name] = expected[name] + term if name in expected else term
+    assert sums.means(seen) == {name: float(v) / seen for name, v in expected.items()}
 
 
 class _Counting:
