@@ -7,9 +7,11 @@
                                      UpdateAccepted / UpdatesAccepted, one per round ─▶ scheduler
                                      ack each
 
-A commit whose write fails (disk full) or whose announcement fails stalls the queue: its updates,
-the message that asked for the commit, and every delivery after them wait unacked, in order, and
-are handled again (`process`) after a backoff (stateretry), as duplicates where they were stored.
+The group commit is the inbox's (common/inbox.py): this one's save is the store and the
+announcement. A commit whose write fails (disk full) or whose announcement fails stalls the
+queue: its updates, the message that asked for the commit, and every delivery after them wait
+unacked, in order, and are handled again (`process`) after a backoff (stateretry), as duplicates
+where they were stored.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable
 
 import structlog
 
+from fedmq.common import inbox
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
 from fedmq.common.errors import StateUnwritable
@@ -30,6 +33,18 @@ from fedmq.services.aggregator.jobs import AggJob
 log = structlog.get_logger("fedmq.aggregator")
 
 PREFETCH = 8  # updates that may come together, to be stored and announced together (group commit)
+
+
+class _Unannounced(Exception):
+    """`count` updates are stored, their announcement failed (`cause`)."""
+
+    def __init__(self, cause: Exception, count: int) -> None:
+        super().__init__(repr(cause))
+        self.cause, self.count = cause, count
+
+
+# What an update staged: its job, its announcement, and whether it is new.
+Staged = tuple[AggJob, UpdateAccepted, bool]
 
 
 class GroupCommit:
@@ -45,8 +60,7 @@ class GroupCommit:
         self.backoff_s = backoff_s  # before a retry whose cause was not a state write
         self.process = process  # handles a delivery again after the backoff
         self.measure = measure  # a job's disk is walked again: a failed commit's files are gone
-        # Updates staged and not yet settled: their job, delivery, announcement, and whether new.
-        self._pending: list[tuple[AggJob, Delivery, UpdateAccepted, bool]] = []
+        self._group: inbox.GroupCommit[Staged] = inbox.GroupCommit(bus, retry, self._store, self._failed)
         self._stalled = False  # a failed state write waits for its retry
         self._backlog: deque[Delivery] = deque()  # what waits behind it, in order
 
@@ -60,34 +74,27 @@ class GroupCommit:
     def defer(self, job: AggJob, delivery: Delivery, reply: UpdateAccepted, new: bool) -> None:
         """Settle an update with those that came with it: stored together, announced in one
         message per round, acked together, once the deliveries that have arrived are handled."""
-        if not self._pending:
-            self.bus.call_when_idle(self._commit_now)
-        self._pending.append((job, delivery, reply, new))
-
-    def _commit_now(self) -> None:
-        self.commit()
+        self._group.add(delivery, (job, reply, new))
 
     def commit(self, then: Delivery | None = None) -> bool:
         """Store, announce and ack the deferred updates. False if storing failed: then they, and
         `then` after them, wait unacked to be handled again after a backoff (their files deleted,
         the job's disk measured again)."""
-        if not self._pending:
-            return True
-        pending, self._pending = self._pending, []
-        jobs = list({id(job): job for job, _, _, _ in pending}.values())
-        deliveries = [delivery for _, delivery, _, _ in pending]
-        waiting = deliveries + ([then] if then else [])  # what waits for a retry if this fails
+        return self._group.flush(then)
+
+    def _store(self, staged: list[Staged]) -> None:
+        """The group's save: every job's staged updates made durable, then announced, one message a round."""
+        jobs = list({id(job): job for job, _, _ in staged}.values())
         try:
             for job in jobs:
                 job.store.commit_staged()
-        except StateUnwritable as exc:
+        except StateUnwritable:
             for job in jobs:
                 self.measure(job)
-            self.stall(exc, waiting)
-            return False
-        self.metrics.updates_accepted.inc(sum(new for _, _, _, new in pending))
+            raise
+        self.metrics.updates_accepted.inc(sum(new for _, _, new in staged))
         by_round: dict[tuple[str, int], list[UpdateAccepted]] = {}
-        for _, _, reply, _ in pending:
+        for _, reply, _ in staged:
             by_round.setdefault((reply.job_id, reply.round), []).append(reply)
         try:
             self.bus.publish_all([
@@ -96,18 +103,22 @@ class GroupCommit:
                 for (job_id, rnd), replies in by_round.items()
             ])
         except Exception as exc:
+            raise _Unannounced(exc, len(staged)) from exc
+
+    def _failed(self, exc: Exception, waiting: list[Delivery]) -> None:
+        """The group's save failed: what it leaves unacked waits for a retry (the queue stalls)."""
+        if isinstance(exc, _Unannounced):
             # Stored, not announced: after a backoff each is handled again, in order, as a
             # duplicate, and announced then. A lost connection: the broker gives them back.
             live = [delivery for delivery in waiting if delivery.live()]
             if not live:
-                raise
-            log.warning("updates_not_announced", count=len(pending), error=repr(exc)[:300])
-            self.stall(exc, live)
-            return False
-        self.retry.succeeded()
-        for delivery in deliveries:
-            delivery.ack()
-        return True
+                raise exc.cause
+            log.warning("updates_not_announced", count=exc.count, error=repr(exc.cause)[:300])
+            self.stall(exc.cause, live)
+            return
+        if not isinstance(exc, StateUnwritable):
+            raise exc
+        self.stall(exc, waiting)
 
     def stall(self, exc: Exception, deliveries: list[Delivery]) -> None:
         """A state write (or a group's announcement) failed: `deliveries`, then every later one,

@@ -39,15 +39,14 @@ from __future__ import annotations
 import functools
 import shutil
 from pathlib import Path
-from typing import Literal
 
 import structlog
 
 from fedmq.common.allowlist import AllowList, CodeNotAllowed
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
-from fedmq.common.errors import DecodeError, FedmqError, StateUnwritable, ValidationError
-from fedmq.common.inbox import Inbox, reject
+from fedmq.common.errors import FedmqError, ValidationError
+from fedmq.common.inbox import KEPT, Handled, Inbox
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientUpdate,
@@ -97,8 +96,6 @@ class AggregatorService:
         self.root = Path(settings.state_dir) / "aggregator"
         self.jobs: dict[str, AggJob] = {}
         self.senders = settings.role_users
-        self.inbox = Inbox(self.senders, settings.max_message_bytes, decode=self._decode,
-                           refused=self._count_refused, service="aggregator")
         self.models = ModelServer(bus, self.jobs, self.senders, settings.users_of_sites, ddp_root=self.root)
         self.retry = StateRetry(bus, self.metrics, settings)
         self.pruner = Pruner(settings)
@@ -108,6 +105,10 @@ class AggregatorService:
         self.intake = Intake(self.pruner, self.metrics)
         self.commits = GroupCommit(bus, self.metrics, self.retry, settings.retry_initial_s,
                                    process=self._process, measure=self.pruner.measure)
+        # A message whose state write failed keeps its place: the queue waits behind it (commit.py).
+        self.inbox = Inbox(self.senders, settings.max_message_bytes, decode=self._decode,
+                           refused=self._count_refused, service="aggregator", retry=self.retry,
+                           unwritable=lambda exc, delivery: self.commits.stall(exc, [delivery]))
 
     def start(self) -> None:
         # Updates bigger than a frame are received straight into files: memory holds one chunk.
@@ -139,32 +140,23 @@ class AggregatorService:
             self._process(delivery)
 
     def _process(self, delivery: Delivery) -> None:
-        msg = self.inbox.open(delivery)
-        if msg is None:
-            return
+        self.inbox.handle(delivery, self._dispatch)
+
+    def _dispatch(self, msg: Message, delivery: Delivery) -> Handled:
         if not isinstance(msg, ClientUpdate) and not self.commits.commit(then=delivery):
-            return  # the updates before it are stored and announced first: they wait, and so does it
+            return KEPT  # the updates before it are stored and announced first: they wait, and so does it
         try:
             with structlog.contextvars.bound_contextvars(
                 job=msg.job_id, round=getattr(msg, "round", None), client=getattr(msg, "client", None)
             ):
-                if self._handle(msg, delivery) == "deferred":
-                    return
-        except StateUnwritable as exc:
-            # Not the message's fault: keep it unacked (the queue waits) and handle it again later.
-            self.commits.stall(exc, [delivery])
-            return
+                if self._handle(msg, delivery) == KEPT:
+                    return KEPT
         except UserCodeError as exc:
             self.failures.user_code(msg.job_id, exc, getattr(msg, "round", 0))
         except OverLimit as exc:
             self.failures.over_limit(msg.job_id, exc)
-        except (DecodeError, ValidationError) as exc:
-            reason = exc.reason if isinstance(exc, ValidationError) else "decode"
-            self._count_refused(msg, reason)
-            reject(delivery, reason, getattr(exc, "detail", str(exc)), log)
-            return
         self.retry.succeeded()
-        delivery.ack()
+        return None
 
     def _decode(self, delivery: Delivery) -> Message:
         """The message, read from its spool file when it was too large for memory."""
@@ -178,8 +170,8 @@ class AggregatorService:
             count = len(msg.members) if isinstance(msg, GroupUpdate) else 1
             self.metrics.updates_rejected.labels(reason_label(reason)).inc(count)
 
-    def _handle(self, msg: Message, delivery: Delivery) -> Literal["deferred"] | None:
-        """Handle a message; "deferred": its delivery is settled later (accept_update)."""
+    def _handle(self, msg: Message, delivery: Delivery) -> Handled:
+        """Handle a message; KEPT: its delivery is settled later (accept_update)."""
         if self.failures.ended(msg):
             return None
         match msg:
@@ -245,10 +237,10 @@ class AggregatorService:
             self._publish(reply)
         log.info("round_opened", clients=len(msg.clients), stored=len(job.store.stored_clients(msg.round)))
 
-    def accept_update(self, msg: ClientUpdate, delivery: Delivery) -> Literal["deferred"] | None:
+    def accept_update(self, msg: ClientUpdate, delivery: Delivery) -> Handled:
         """Store a sound update before saying so; a redelivered one is only announced again.
 
-        Updates that come together are stored, announced and acked together ("deferred": see
+        Updates that come together are stored, announced and acked together (KEPT: see
         commit.GroupCommit). An update for the round after the last closed one, before its RoundOpen arrives
         (broker flow control can order them so), is checked and kept on disk; the RoundOpen
         announces it. So is a large one, received into a spool file, on its own.
@@ -267,9 +259,9 @@ class AggregatorService:
             # and the first may be this one (a group whose store failed part-way, then retried).
             reply = accepted(msg, size) if kind == "new" else accepted_again(job, msg, size)
             self.commits.defer(job, delivery, reply, kind == "new")
-            return "deferred"
+            return KEPT
         if not self.commits.commit(then=delivery):
-            return "deferred"  # it waits behind the updates before it
+            return KEPT  # it waits behind the updates before it
         self.intake.keep(job, msg, kind, delivery.body_path or delivery.body, size)
         if kind != "early":
             self._publish(accepted(msg, size) if kind == "new" else accepted_again(job, msg, size))

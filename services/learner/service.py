@@ -38,7 +38,7 @@ from fedmq.common.codec import TensorFile
 from fedmq.common.errors import BrokerUnavailable, FedmqError
 from fedmq.common.groups import group_of, groupable
 from fedmq.common.heap import large_buffers_unmapped
-from fedmq.common.inbox import Inbox
+from fedmq.common.inbox import KEPT, Handled, Inbox
 from fedmq.common.messages import (
     ClientStateGet,
     ClientStateReply,
@@ -179,33 +179,32 @@ class LearnerService:
         return self._worker is None or not self._worker.is_alive()
 
     def on_task(self, delivery: Delivery) -> None:
-        task = self.tasks_inbox.open(delivery)
-        if isinstance(task, TrainTask | EvalTask):
-            self._take(task, delivery)
+        self.tasks_inbox.handle(delivery, self._take)
 
-    def _take(self, task: Task, delivery: Delivery) -> None:
-        """A checked task, to the training thread."""
+    def _take(self, task: Message, delivery: Delivery) -> Handled:
+        """A checked task, to the training thread (which acks it once its reply is confirmed)."""
+        assert isinstance(task, TrainTask | EvalTask), "the tasks' inboxes take tasks only"
         if delivery.redelivered:
             self.redelivered += 1
             log.info("task_redelivered", job=task.job_id, round=task.round, client=task.client)
         with self._held_lock:
             self._held += 1
         self._tasks.put((task, delivery))
+        return KEPT
 
     def on_control(self, delivery: Delivery) -> None:
         """The scheduler's DdpLaunch and DdpStop for this learner, and the tasks of clients whose
         state it keeps (learner/statecache.py)."""
-        msg = self.control_inbox.open(delivery)
-        if msg is None:
-            return
+        self.control_inbox.handle(delivery, self._control)
+
+    def _control(self, msg: Message, delivery: Delivery) -> Handled:
         if isinstance(msg, TrainTask):
-            self._take(msg, delivery)
-            return
+            return self._take(msg, delivery)
         if isinstance(msg, DdpLaunch):
             self.ddp.launch(msg, self._check_entry)
         elif isinstance(msg, DdpStop):
             self.ddp.stop(msg)
-        delivery.ack()
+        return None
 
     def _check_entry(self, entry: str) -> None:
         """As the scheduler did: a launch may have come another way (CodeNotAllowed fails the rank)."""

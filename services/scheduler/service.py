@@ -36,8 +36,8 @@ from fedmq.common.allowlist import AllowList, CodeNotAllowed
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
 from fedmq.common.coderefs import check_code
-from fedmq.common.errors import ConfigError, DecodeError, StateUnwritable, ValidationError
-from fedmq.common.inbox import Inbox, reject
+from fedmq.common.errors import ConfigError, StateUnwritable, ValidationError
+from fedmq.common.inbox import KEPT, GroupCommit, Handled, Inbox
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
     ClientFailure,
@@ -83,7 +83,6 @@ class SchedulerService:
     ) -> None:
         self.settings = settings
         self.senders = settings.role_users
-        self.inbox = Inbox(self.senders, settings.frame_bytes, service="scheduler")
         self.bus = bus
         self.metrics = metrics or Metrics()
         self.allowed = allowed or AllowList.services(settings.allowed_prefixes)
@@ -91,6 +90,10 @@ class SchedulerService:
         self.registry = Registry(master_node=settings.master_node)
         self.rows = JobRows(Path(settings.state_dir) / "scheduler" / "jobs.sqlite", settings.fsync)
         self.retry = StateRetry(bus, self.metrics, settings)
+        self.inbox = Inbox(self.senders, settings.frame_bytes, service="scheduler", retry=self.retry)
+        # The messages handled since the last save, acked once the jobs they changed are saved,
+        # each job once for all of them (a group commit).
+        self.saves: GroupCommit[SchedJob] = GroupCommit(bus, self.retry, self._save_jobs)
         self.ctx = SchedContext(
             settings, bus, self.metrics, self.jobs, self.rows, self.retry, self.registry,
             grace_until=time.monotonic() + 1.5 * settings.liveness_s,
@@ -104,8 +107,6 @@ class SchedulerService:
         )
         self.evaluation = EvaluationLoop(self.ctx, self.rounds)
         self.ddp = DdpLoop(self.ctx)
-        self._dirty: dict[str, SchedJob] = {}  # jobs changed by messages handled, not yet saved
-        self._unsaved: list[Delivery] = []  # those messages, acked once their jobs are saved
 
     def start(self) -> None:
         self.rows.open()
@@ -157,54 +158,31 @@ class SchedulerService:
             self.bus.call_later(1.0, self._sweep)
 
     def on_message(self, delivery: Delivery) -> None:
-        msg = self.inbox.open(delivery)
-        if msg is None:
-            return
-        try:
-            if isinstance(msg, Heartbeat | StatusRequest):
-                self._answer(msg, delivery)
-                delivery.ack()
-                return
-            with structlog.contextvars.bound_contextvars(job=msg.job_id, round=getattr(msg, "round", None)):
-                self._handle(msg, delivery.user_id)
-        except StateUnwritable as exc:
-            # Handled again later (handlers are idempotent) and acked once its row is on disk.
-            self.retry.later(exc, functools.partial(self.on_message, delivery))
-            return
-        except (DecodeError, ValidationError) as exc:
-            if isinstance(exc, ValidationError):
-                reject(delivery, exc.reason, exc.detail, log)
-            else:
-                reject(delivery, "decode", str(exc), log)
-            return
-        job = self.jobs.get(msg.job_id)
-        if job is not None:  # its row durable before the ack, saved once for what came with it
-            if not self._unsaved:
-                self.bus.call_when_idle(self._save_handled)
-            self._dirty[job.job_id] = job
-            self._unsaved.append(delivery)
-            return
-        self.retry.succeeded()
-        delivery.ack()
+        self.inbox.handle(delivery, self._dispatch)
 
-    def _save_handled(self) -> None:
-        """The jobs the messages handled since the last save changed, each saved once, then those
-        messages acked (a group commit). A failed save is tried again after a backoff, the messages
-        unacked meanwhile (the queue waits: prefetch)."""
-        while self._dirty:
-            job_id, job = next(iter(self._dirty.items()))
+    def _dispatch(self, msg: Message, delivery: Delivery) -> Handled:
+        """The message to the loop it concerns; KEPT: acked once its job's row is saved."""
+        if isinstance(msg, Heartbeat | StatusRequest):
+            self._answer(msg, delivery)
+            return None
+        with structlog.contextvars.bound_contextvars(job=msg.job_id, round=getattr(msg, "round", None)):
+            self._handle(msg, delivery.user_id)
+        job = self.jobs.get(msg.job_id)
+        if job is None:
+            self.retry.succeeded()
+            return None
+        self.saves.add(delivery, job)  # handled again after a failed save: handlers are idempotent
+        return KEPT
+
+    def _save_jobs(self, jobs: list[SchedJob]) -> None:
+        """Each job the messages changed, once; StateUnwritable: tried again after the backoff."""
+        for job in {job.job_id: job for job in jobs}.values():
             try:
                 self.rows.save(job)
-            except StateUnwritable as exc:
-                self.retry.later(exc, self._save_handled)
-                return
+            except StateUnwritable:
+                raise
             except Exception:  # a bug, not the disk: it would fail every time; the others go on
-                log.exception("job_save_crashed", job=job_id)
-            del self._dirty[job_id]
-        self.retry.succeeded()
-        deliveries, self._unsaved = self._unsaved, []
-        for delivery in deliveries:
-            delivery.ack()
+                log.exception("job_save_crashed", job=job.job_id)
 
     def _count_update(self, job: SchedJob, msg: UpdateAccepted) -> None:
         """Count a client's stored update in its round, once."""

@@ -47,36 +47,37 @@ def changed(service: SchedulerService, *job_ids: str) -> list[Recorded]:
     deliveries = []
     for job_id in job_ids:
         job = cast(SchedJob, type("Job", (), {"job_id": job_id})())
-        service._dirty[job_id] = job
         deliveries.append(Recorded(body=b"", queue="fedmq.scheduler"))
-    service._unsaved.extend(deliveries)
+        service.saves.add(deliveries[-1], job)
     return deliveries
 
 
 def test_a_job_whose_save_crashes_does_not_hold_back_the_others(tmp_path: Path) -> None:
     service, saved = scheduler(tmp_path, {"a": TypeError("not JSON serializable")})
-    deliveries = changed(service, "a", "b")
-    service._save_handled()
-    assert saved == ["b"]
-    assert [d.settled for d in deliveries] == [["ack"], ["ack"]]
-    assert not service._dirty and not service._unsaved
+    deliveries = changed(service, "a", "b", "b")
+    assert service.saves.flush()
+    assert saved == ["b"]  # once for both its messages
+    assert [d.settled for d in deliveries] == [["ack"], ["ack"], ["ack"]]
+    assert not service.saves
 
 
 def test_a_full_disk_keeps_every_message_unacked_for_the_retry(tmp_path: Path) -> None:
     service, saved = scheduler(tmp_path, {"b": FULL})
     deliveries = changed(service, "a", "b")
-    service._save_handled()
-    assert saved == ["a"]  # a is on disk; b waits for the retry, and both its messages with it
+    assert not service.saves.flush()
+    assert saved == ["a"]  # a is on disk; b waits for the retry, and both messages with it
     assert [d.settled for d in deliveries] == [[], []]
-    assert list(service._dirty) == ["b"]
+    assert service.saves
 
 
 def test_the_retry_saves_what_is_left_and_acks_them_all(tmp_path: Path) -> None:
     fails: dict[str, Exception] = {"b": FULL}
     service, saved = scheduler(tmp_path, fails)
     deliveries = changed(service, "a", "b")
-    service._save_handled()
+    service.saves.flush()
     fails.clear()
-    service._save_handled()  # what the retry timer runs
-    assert saved == ["a", "b"]
-    assert [d.settled for d in deliveries] == [["ack"], ["ack"]]
+    later = changed(service, "c")  # handled while the retry waits: saved and acked with them
+    assert service.saves.flush()  # what the retry timer runs
+    assert saved == ["a", "a", "b", "c"]  # a again: a save is idempotent
+    assert [d.settled for d in deliveries + later] == [["ack"], ["ack"], ["ack"]]
+    assert not service.saves
