@@ -154,8 +154,9 @@ class GroupCommit(Generic[T]):
         self.flush()
 
     def flush(self, then: Delivery | None = None) -> bool:
-        """Save the kept items and ack their deliveries; False if the save failed (`then`, a
-        delivery that was to follow them, then waits with them when `failed` takes them)."""
+        """Save the kept items and ack their deliveries; False if the save failed. `then`, a
+        delivery that was to follow them, is handed to `failed` with them (without `failed`, the
+        caller keeps it)."""
         if not self._pending:
             return True
         pending, self._pending = self._pending, []
@@ -165,8 +166,10 @@ class GroupCommit(Generic[T]):
             if self.failed is not None:
                 self.failed(exc, [delivery for delivery, _ in pending] + ([then] if then else []))
                 return False
-            if not isinstance(exc, StateUnwritable):
-                raise  # a bug, not the disk (a save catches what it knows)
+            if not isinstance(exc, StateUnwritable):  # a bug, not the disk (a save catches what it knows)
+                for delivery, _ in pending:  # as the bus settles a handler that crashed
+                    delivery.reject(f"handler_error: {type(exc).__name__}")
+                raise
             self._pending = pending + self._pending  # tried again, with what comes meanwhile
             self.retry.later(exc, self._when_idle)
             return False

@@ -275,9 +275,11 @@ class Settings(BaseSettings):
             if any(urlsplit(url).scheme == "amqps" for url in self.broker_urls):
                 self.tls_context()  # every file is read and checked now, not at the first connect
             elif self.tls_ca_file or self.tls_cert_file or self.tls_key_file:
-                scheme = "memory://" if self.in_memory else "amqp://"
+                if self.in_memory:
+                    raise ConfigError("FEDMQ_TLS_* files are set but FEDMQ_BROKER_URL is memory://, "
+                                      "which no connection reaches: unset them")
                 raise ConfigError(
-                    f"FEDMQ_TLS_* files are set but FEDMQ_BROKER_URL is {scheme}: use amqps:// "
+                    "FEDMQ_TLS_* files are set but FEDMQ_BROKER_URL is amqp://: use amqps:// "
                     "(RabbitMQ's TLS port, 5671 by default)"
                 )
         except ConfigError as exc:

@@ -63,7 +63,6 @@ class MemoryBuses:
         return self.broker.connect(user=user_of(name))
 
 
-
 def buses(settings: Settings) -> Buses:
     """The buses of the transport FEDMQ_BROKER_URL names: in memory for memory://, else RabbitMQ."""
     return MemoryBuses(settings) if settings.in_memory else RabbitBuses(settings)
@@ -78,4 +77,6 @@ def bus_of_process(settings: Settings, name: str) -> RabbitBus:
             "one. Give the broker's amqp:// URL, or run every service in one process with "
             "`fedmq run --services`"
         )
-    return RabbitBuses(settings).connect(name)
+    bus = buses(settings).connect(name)
+    assert isinstance(bus, RabbitBus), "memory:// was refused above"
+    return bus

@@ -98,9 +98,11 @@ def backward(loss: torch.Tensor) -> None:
     A plain scalar float tensor that requires grad goes straight to autograd's engine with a
     gradient of one, as `torch.autograd.backward` sends it after its checks: measured here, those
     checks were a sixth of a small model's step (~50 µs of ~300). Anything else (a tensor
-    subclass, a loss that needs no grad) takes `backward()` itself, to fail or dispatch as it does."""
+    subclass, a loss that needs no grad, a torch function mode in force) takes `backward()` itself,
+    to fail or dispatch as it does."""
     if (type(loss) is not torch.Tensor or not loss.requires_grad or loss.dim() != 0
-            or not loss.dtype.is_floating_point or _ENGINE is None):
+            or not loss.dtype.is_floating_point or _ENGINE is None
+            or torch.overrides.has_torch_function_unary(loss)):  # a TorchFunctionMode sees backward()
         loss.backward()
         return
     _ENGINE((loss,), (torch.ones_like(loss, memory_format=torch.preserve_format),), False, False, (),

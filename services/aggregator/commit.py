@@ -116,8 +116,8 @@ class GroupCommit:
             log.warning("updates_not_announced", count=exc.count, error=repr(exc.cause)[:300])
             self.stall(exc.cause, live)
             return
-        if not isinstance(exc, StateUnwritable):
-            raise exc
+        if not isinstance(exc, StateUnwritable):  # a bug: the bus's crash handling, not the inbox's
+            raise RuntimeError(f"the group commit failed: {exc!r}") from exc
         self.stall(exc, waiting)
 
     def stall(self, exc: Exception, deliveries: list[Delivery]) -> None:

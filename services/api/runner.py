@@ -80,7 +80,8 @@ class Runner:
         services: bool = False,
     ) -> None:
         """No `broker`: jobs run in this process, on the in-process engine; with `services` (or
-        `learners` > 1) on the services' threads over an in-memory bus instead, as deployed."""
+        `learners` > 1, or broker="memory://") on the services' threads over an in-memory bus
+        instead, as deployed."""
         from fedmq.common.logging import configure_logging
 
         configure_logging("auto", log_level)  # the services log at info: too much for a program
@@ -91,9 +92,11 @@ class Runner:
             overrides["state_dir"] = Path(state_dir)
         # Built with the overrides, so that they are validated too (a broker URL and its password setting).
         self.settings = Settings(**overrides) if settings is None else settings.model_copy(update=overrides)
-        self.remote_mode = broker is not None
+        # broker="memory://": the services in this process on their in-memory bus (no one else's)
+        in_memory = broker is not None and self.settings.in_memory
+        self.remote_mode = broker is not None and not in_memory
         self.learners = learners
-        self.services = services or learners > 1
+        self.services = services or learners > 1 or in_memory
         self._cluster: EmbeddedCluster | None = None
         self._remote: Remote | None = None
         self._engine = False

@@ -85,3 +85,17 @@ def test_the_cli_says_the_in_memory_broker_is_no_broker_to_ask(
     result = CliRunner().invoke(app, ["status"])
     assert result.exit_code == 2, result.output
     assert "would reach no one" in result.output and "Traceback" not in result.output
+
+
+def test_tls_files_with_the_in_memory_broker_are_refused_with_what_to_do(tmp_path: Path) -> None:
+    cert = tmp_path / "ca.pem"
+    cert.write_text("not read")
+    with pytest.raises(ValidationError, match="memory://, which no connection reaches: unset them"):
+        Settings(state_dir=tmp_path, broker_url="memory://", tls_ca_file=cert)
+
+
+def test_the_python_api_runs_the_services_in_process_for_the_in_memory_broker(tmp_path: Path) -> None:
+    import fedmq
+
+    runner = fedmq.Runner("memory://", state_dir=tmp_path)
+    assert (runner.remote_mode, runner.services) == (False, True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pytest
+
 from fedmq.common.bus.base import Delivery
 from fedmq.common.errors import StateUnwritable, ValidationError
 from fedmq.common.inbox import KEPT, GroupCommit, Inbox
@@ -141,3 +143,17 @@ def test_a_group_commit_saves_once_and_acks_all_or_hands_them_to_failed_with_the
     stalling.add(c, "c")  # type: ignore[arg-type]
     assert not stalling.flush(then=then)  # type: ignore[arg-type]
     assert failed == [(FULL, [c, then])] and c.settled == [] and not stalling
+
+
+def test_a_group_commit_whose_save_has_a_bug_rejects_what_it_held_and_says_so() -> None:
+    bus = type("Bus", (), {"call_when_idle": lambda self, fn: None})()
+
+    def broken(items: list[str]) -> None:
+        raise TypeError("not JSON serializable")
+
+    group: GroupCommit[str] = GroupCommit(bus, Retry(), broken)  # type: ignore[arg-type]
+    held = Settled(b"", "x")
+    group.add(held, "a")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        group.flush()
+    assert held.settled == ["handler_error: TypeError"] and not group

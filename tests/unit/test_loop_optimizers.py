@@ -143,3 +143,21 @@ def test_the_loops_backward_gives_the_gradients_of_backward_and_its_errors() -> 
         backward(model(x).sum(dim=1))  # not a scalar: backward() itself says so
     with pytest.raises(RuntimeError, match="does not require grad"):
         backward(torch.ones(()))
+
+
+def test_a_torch_function_mode_still_sees_the_loops_backward() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    from fedmq.common.task.loop import backward
+
+    seen: list[str] = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    w = torch.ones(3, requires_grad=True)
+    with Watch():
+        backward((w * 2).sum())
+    assert "backward" in seen and w.grad is not None and torch.equal(w.grad, torch.full((3,), 2.0))
