@@ -150,6 +150,7 @@ class Engine:
         final: dict[str, Any]
         try:
             self._resume() if resume else self._start()
+            self._preload()
             while self.progress.round < self.spec.rounds and not self.stop_requested:
                 self._round(self.progress.round + 1)
             if self.progress.round < self.spec.rounds and self._checkpointed != self.progress.round:
@@ -223,6 +224,29 @@ class Engine:
             for store in (self.job.client_store, self.job.residual_store):
                 store.load(load)
                 store.disk.discard_from(load + 1)  # a crashed run's, after its last checkpoint
+
+    def _preload(self) -> None:
+        """Every client the rest of the job samples (training and federated evaluation), its data
+        loaded before the first round, as a plain loop loads it: a round's time is then its own
+        work. Only when they all fit the data cache (else each loads when its task comes)."""
+        spec, todo = self.spec, []
+        seen: set[int] = set()
+        limit = self.settings.data_cache_clients
+        for server_round in range(self.progress.round + 1, spec.rounds + 1):
+            drawn = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
+            if federated_due(spec, server_round):
+                drawn = drawn + eval_clients(spec, server_round)
+            todo += [c for c in drawn if c not in seen]
+            seen.update(drawn)
+            if len(seen) == spec.clients.total or len(seen) > limit:
+                break
+        if not todo or len(seen) > limit:
+            return
+        try:
+            loaded = self.work.preload(self._task(self.progress.round + 1, todo[0]), todo)
+        except Exception:  # the job cannot load: its first task fails with the reason
+            return
+        log.info("client_data_loaded", clients=loaded)
 
     # -- a round --------------------------------------------------------------------
 

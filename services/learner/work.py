@@ -411,6 +411,22 @@ class Work:
             "its data or loss cannot be batched across clients (a DataLoader, random draws in the loss, "
             "metrics that are not tensors)")
 
+    def preload(self, task: TrainTask, clients: list[int]) -> int:
+        """The data of `clients` (of the task's job) into the data cache now, when all of them fit
+        it; how many were loaded (0: they do not fit, and load as their tasks come). A client whose
+        data fails to load is left to its task, which fails with the reason."""
+        if len(clients) > self.data.limit:
+            return 0
+        job = self._job(task.job_id, task.spec)
+        loaded = 0
+        for client in clients:
+            try:
+                self._client_data(job, task.job_id, client)
+            except Exception:  # its task loads it again and fails with the reason, as before
+                continue
+            loaded += 1
+        return loaded
+
     def job_spec(self, task: TrainTask) -> JobSpec:
         """The task's job spec, as parsed when its job loaded (`fusable` loaded it)."""
         return self._job(task.job_id, task.spec).spec

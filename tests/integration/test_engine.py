@@ -287,3 +287,29 @@ def test_a_checkpoint_over_the_jobs_disk_quota_fails_the_job_saying_so(tmp_path:
     assert 0 < len(result["history"]) < spec.rounds + 1, "it ran until the quota stopped it"
     fits = run_job(spec, Settings(state_dir=tmp_path / "roomy", checkpoint_every=1, job_disk_bytes=1 << 30))
     assert fits["status"] == "completed"
+
+
+def test_the_clients_a_job_samples_load_once_before_its_first_round_when_they_fit(tmp_path: Path) -> None:
+    spec = small_job(rounds=4, clients__total=10, clients__per_round=3)
+    sampled = {c for r in range(1, spec.rounds + 1) for c in sample_clients(spec.seed, r, 10, 3)}
+    fits, preloaded, loads = _loaded_before_round_1(spec, Settings(state_dir=tmp_path / "fits"))
+    assert preloaded == sampled and set(loads.values()) == {1}, "each once, before round 1"
+    # A cache of one round's clients: each loads when its task comes.
+    lazy, none, _ = _loaded_before_round_1(spec, Settings(state_dir=tmp_path / "lazy", data_cache_clients=3))
+    assert none == set()
+    assert digests(fits) == digests(lazy)
+
+
+def _loaded_before_round_1(
+    spec: JobSpec, settings: Settings
+) -> tuple[dict[str, Any], set[int], dict[tuple[str, int], int]]:
+    """The job's result, the clients whose data was loaded when round 1 started, and every load."""
+    engines: list[Engine] = []
+    before: list[set[int]] = []
+
+    def first_round(event: JobEvent) -> None:
+        if event.kind == "round_started" and event.round == 1:
+            before.append({client for _, client in engines[0].work.data.loads})
+
+    result = run_job(spec, settings, on_event=first_round, on_engine=engines.append)
+    return result, before[0], engines[0].work.data.loads

@@ -58,6 +58,9 @@ def test_many_tensors_are_finite_unless_one_value_is_not_even_when_their_sum_ove
         assert not all_finite_many([*ok, torch.tensor([1.0, bad])])
     huge = torch.full((4,), torch.finfo(torch.float64).max, dtype=torch.float64)  # sums to inf, all finite
     assert all_finite_many([huge])
+    squares_overflow = [torch.full((3,), 1e30), torch.ones(2)]  # float32 norms overflow, all finite
+    assert all_finite_many(squares_overflow)
+    assert not all_finite_many([*squares_overflow, torch.tensor([float("nan")])])
 
 
 def test_many_tensors_of_mixed_dtypes_and_sizes_say_the_same_as_each_tensor_alone() -> None:
