@@ -291,13 +291,26 @@ class Engine:
             client=client, model_digest=self.job.digest, spec=self.raw_spec, config=self.progress.config,
         )
 
+    def _tasks(self, server_round: int, clients: list[int]) -> list[TrainTask]:
+        """The round's tasks: the first checked as the scheduler's are, the others copies of it that
+        differ in their client (the spec, a nested dict, is validated once, not once a client)."""
+        if not clients:
+            return []
+        first = self._task(server_round, clients[0])
+        return [first] + [
+            first.model_copy(update={  # their own top-level dicts, as validating gave each
+                "client": c, "task_id": f"{self.job_id}:{server_round}:{c}", "spec": dict(first.spec),
+                "config": dict(first.config)})
+            for c in clients[1:]
+        ]
+
     def _train(
         self, server_round: int, clients: list[int], state: RoundState, updates: dict[int, ClientUpdate],
         sync: dict[str, float],
     ) -> None:
         """Train `clients` as a learner would (together when the job fuses), then admit each update as
         the aggregator would; each outcome recorded in `state`."""
-        tasks = [self._task(server_round, client) for client in clients]
+        tasks = self._tasks(server_round, clients)
         try:
             together = bool(tasks) and self.work.fusable(tasks[0])
         except Exception:  # the job cannot load: each task fails with the reason, as on a learner
