@@ -13,7 +13,8 @@ torch thread. Each side runs in a process of its own (its peak RSS is its own):
 A round's time is the gap between two rounds' ends (evaluation included); steady: the median of
 rounds 2..R. One epoch of a ~14-example client is one SGD step: "one step" below. Each side runs
 --repeat times (default 2), interleaved with the others, and its fastest steady round counts:
-this shared 2-core machine moved one run's figures by up to 40 %.
+this shared 2-core machine moved one run's figures by up to 40 %. The JSON also gives each
+repeat's ratio to the loop's run beside it (`paired_ratios`) and their median.
 
 Usage: python benchmarks/engine.py [--cases NAME,...] [--reference DIR]
 Prints one JSON object, then one target line per goal (targets.py).
@@ -197,6 +198,11 @@ def main() -> None:
             for name, child in sides.items():
                 runs[name].append(run_child(*child))
         row: dict[str, Any] = {name: min(reports, key=steady) for name, reports in runs.items()}
+        # Each repeat's fedmq run over the loop's run beside it: on a noisy machine, their median says
+        # more than the fastest of each side (a burst of load hits a pair's two runs alike).
+        paired = {name: sorted(round(steady(mine) / steady(loop), 3)
+                               for mine, loop in zip(reports, runs["loop"], strict=True))
+                  for name, reports in runs.items() if name != "loop"}
         for script in ("fedavg_local.py", "fedavg_vmap.py") if case != "long_300" else ():
             if (found := run_reference(args.reference, script, case)) is not None:
                 row[script] = found
@@ -204,6 +210,8 @@ def main() -> None:
                    ("loop", "fused", "unfused")}
         summary |= {name: round(r["steady_s"], 5) for name, r in row.items() if "steady_s" in r}
         out["cases"][case] = {"steady_s": summary,
+                              "paired_ratios": {n: {"each": r, "median": statistics.median(r)}
+                                                for n, r in paired.items()},
                               "maxrss_mib": {n: round(r["maxrss_kib"] / 1024, 1) for n, r in row.items()
                                              if "maxrss_kib" in r},
                               "accuracy": {n: round(r["accuracy"], 4) for n, r in row.items()
