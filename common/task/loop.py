@@ -49,8 +49,9 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
     src = on_device(source(data, "training data"), ctx.device)
     resident = _resident(src, ctx.device)
     model.train()
-    optimizer = make_optimizer(model, settings)
-    names = [name for name, _ in model.named_parameters()]  # model.parameters()'s order
+    named = list(model.named_parameters())  # one walk of the model for the names and the optimizer
+    names = [name for name, _ in named]
+    optimizer = make_optimizer([p for _, p in named], settings)
     if settings.keep_optimizer_state:
         optimizer.load_entries(ctx.state, names)
     mu = float(ctx.config.get(PROXIMAL_MU, 0.0))
@@ -62,7 +63,7 @@ def train_with_loss(task: Task, model: nn.Module, data: Any, ctx: TrainContext) 
                          "each client's own layers into the shared ones")
     private = _private(task, model, src, ctx)
     early = (private is None and controls is None and task.lean_memory
-             and _parameter_bytes(model) >= STEP_IN_BACKWARD_BYTES)
+             and _parameter_bytes(optimizer.params) >= STEP_IN_BACKWARD_BYTES)
     steps, sums, seen = 0, _Sums(ctx.device), 0
     with optimizer.in_backward() if early else contextlib.nullcontext():
         for epoch in range(settings.epochs):
@@ -123,8 +124,8 @@ def _finished(optimizer: Sgd | Adam, names: list[str], ctx: TrainContext, result
     return result
 
 
-def _parameter_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+def _parameter_bytes(params: list[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
 def _private(task: Task, model: nn.Module, src: Source, ctx: TrainContext) -> PrivateGradients | None:

@@ -14,7 +14,6 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
-from torch import nn
 
 from fedmq.common.task.contexts import TrainSettings
 
@@ -24,11 +23,11 @@ ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults
 ADAM_EPS = 1e-8
 
 
-def make_optimizer(model: nn.Module, settings: TrainSettings) -> Sgd | Adam:
-    """The optimizer the spec names, over the model's parameters."""
+def make_optimizer(params: Iterable[torch.Tensor], settings: TrainSettings) -> Sgd | Adam:
+    """The optimizer the spec names, over `params` (a model's parameters, in their order)."""
     if settings.optimizer == "adam":
-        return Adam(model.parameters(), settings.lr, settings.weight_decay)
-    return Sgd(model.parameters(), settings.lr, settings.momentum, settings.weight_decay)
+        return Adam(params, settings.lr, settings.weight_decay)
+    return Sgd(params, settings.lr, settings.momentum, settings.weight_decay)
 
 
 class _Steps:

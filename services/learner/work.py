@@ -171,7 +171,7 @@ class JobContext:
         state = self.model.state_dict() if state is None else state
         if self.runtime.task.lean_memory and all(t.device.type == "cpu" for t in state.values()):
             self.lent = True
-            return {k: v.detach() for k, v in state.items()}
+            return dict(state)  # a state_dict's tensors are detached already
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
