@@ -58,6 +58,9 @@ class Source:
             if generator is not None
             else torch.arange(self.size)
         )
+        if 0 < self.size <= batch_size:  # one batch: the whole order, not a slice of it (an operation less)
+            yield self.batch(order)
+            return
         for start in range(0, self.size, batch_size):
             yield self.batch(order[start : start + batch_size])
 

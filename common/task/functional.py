@@ -70,7 +70,7 @@ def split_loss(out: Any) -> tuple[torch.Tensor, Mapping[str, torch.Tensor | floa
         )
     if not isinstance(metrics, Mapping):
         raise LossError(f"loss() metrics must be a dict of name -> tensor or float, got {_describe(metrics)}")
-    return out.reshape(()), metrics
+    return (out if out.dim() == 0 else out.reshape(())), metrics
 
 
 def _describe(value: Any) -> str:

@@ -209,7 +209,10 @@ class _Sums:
         for name, value in {"loss": loss, **metrics}.items():  # a metric named loss replaces it
             if name not in self.values:
                 self.values[name], self.sizes[name] = [], []
-            self.values[name].append(value.detach() if isinstance(value, torch.Tensor) else float(value))
+            if isinstance(value, torch.Tensor):  # a value with a graph is kept without it
+                self.values[name].append(value.detach() if value.requires_grad else value)
+            else:
+                self.values[name].append(float(value))
             self.sizes[name].append(size)
 
     def means(self, seen: int) -> dict[str, float]:
