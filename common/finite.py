@@ -52,8 +52,7 @@ def all_finite_many(tensors: list[torch.Tensor]) -> bool:
         # value by value, below). Measured on a digits MLP's 4 tensors: 15 µs against 27 µs.
         if math.isfinite(torch.stack(torch._foreach_norm(tensors)).sum().item()):
             return True
-        return bool(torch.stack([all_finite(t) for t in tensors]).all())
-    if sum(t.numel() for t in tensors) <= CAT_NUMEL and len(kinds) == 1:
+    elif sum(t.numel() for t in tensors) <= CAT_NUMEL and len(kinds) == 1:
         # A small model's tensors of one dtype as one: four operations, not three a tensor.
         if math.isfinite(torch.cat([t.reshape(-1) for t in tensors]).sum(dtype=torch.float64).item()):
             return True

@@ -240,9 +240,9 @@ class Engine:
             seen.update(drawn)
             if len(seen) == spec.clients.total or len(seen) > limit:
                 break
-        if not todo or len(seen) > limit:
+        if not todo:
             return
-        try:
+        try:  # Work.preload loads nothing when they do not all fit
             loaded = self.work.preload(self._task(self.progress.round + 1, todo[0]), todo)
         except Exception:  # the job cannot load: its first task fails with the reason
             return
