@@ -3,6 +3,7 @@
     bank[k]    (n_0 + n_1 + ... , *shape_k)    tensor k of every client's data, client i from offset[i]
     a step     index (G, L): row j = client j's batch (its order's slice, shifted by its offset),
                padded past its size with its batch's first example; one index_select per tensor
+               (the index of a whole plan's steps is made at once, then cut into them)
 
 The same examples as cutting each client's batch from its own data, padding it with copies of its
 first example and stacking the group's batches (fused.py's general path), so the same bits, in a
@@ -14,6 +15,7 @@ dtype across the group; anything else (a Dataset) goes the general way.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -54,18 +56,22 @@ class Bank:
         return cls(templates.pop(), parts, offsets)
 
     def index(
-        self, clients: Sequence[int], slices: Sequence[torch.Tensor], length: int
+        self, clients: Sequence[int], slices: Sequence[torch.Tensor], lengths: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where each client's batch (`slices[j]`: indices into its own data, padded to `length`
-        with its first example) lies in the bank, on the host: the (G, length) rows of the bank and
-        the (G, length) bool mask of real ones. `take` gathers them on the device."""
-        sizes = torch.tensor([len(s) for s in slices], dtype=torch.int64)
-        flat = torch.cat(list(slices)) + torch.repeat_interleave(self.offsets[list(clients)], sizes)
-        firsts = flat[torch.cumsum(sizes, 0) - sizes]
-        mask = torch.arange(length).unsqueeze(0) < sizes.unsqueeze(1)
-        index = firsts.unsqueeze(1).expand(len(slices), length).clone()
-        index[mask] = flat  # row-major: row j's positions below its size take its slice, in order
-        return index, mask
+        """Where each batch lies in the bank, on the host, for a whole plan at once: batch j (`slices[j]`,
+        indices into client `clients[j]`'s own data) padded to `lengths[j]` with its first example,
+        the batches' rows end to end; and the bool mask of the real ones. `take` gathers them on the
+        device. (In about a dozen tensor operations whatever the number of batches: one call a step
+        group made about as many each, a tenth of a small fused round.)"""
+        sizes = [len(s) for s in slices]
+        per_batch = torch.tensor([sizes, lengths, list(accumulate(sizes, initial=0))[:-1],
+                                  list(accumulate(lengths, initial=0))[:-1]], dtype=torch.int64)
+        flat = torch.cat(list(slices)) + torch.repeat_interleave(self.offsets[list(clients)], per_batch[0])
+        batch = torch.repeat_interleave(per_batch[1])  # each row's batch
+        size, _, start, row_start = per_batch[:, batch]
+        position = torch.arange(len(batch)) - row_start
+        real = position < size
+        return flat[start + position * real], real  # a padding row: its batch's first example
 
     def take(self, at: torch.Tensor, count: int, length: int) -> Any:
         """The batches `index` named, given as its flattened rows on the bank's device."""

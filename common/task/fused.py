@@ -360,30 +360,34 @@ class _Trainer:
 
     def _prepare(self, groups: list[list[_Item]]) -> list[_Prepared]:
         """What each group's step needs on the device, sent in one copy per dtype: with a bank, the
-        whole round's in three copies, and none in its steps (a plain copy from the host to a GPU
+        whole plan's in three copies, and none in its steps (a plain copy from the host to a GPU
         waits for all the work queued there: several a step would keep the GPU idle between them)."""
         if not groups:
             return []
-        longs: list[torch.Tensor] = []
-        floats: list[torch.Tensor] = []
-        doubles: list[torch.Tensor] = []
+        clients: list[int] = []
+        fresh: list[int] = []  # the clients starting an epoch: the result reports the last epoch only
+        sizes: list[int] = []
         shapes = []
         for group in groups:
-            clients = [i for i, _, _ in group]
-            sizes = [batch_size_of(item) if self.bank is None else len(item) for _, item, _ in group]
-            fresh = [i for i, _, new_epoch in group if new_epoch]  # the result reports the last epoch only
-            length = self._length(sizes[0]) if self.masked else sizes[0]
-            longs += [torch.tensor(clients, dtype=torch.int64), torch.tensor(fresh, dtype=torch.int64)]
-            doubles.append(torch.tensor(sizes, dtype=torch.float64))
-            if self.bank is not None:
-                rows_at, real = self.bank.index(clients, [item for _, item, _ in group], length)
-                longs.append(rows_at.reshape(-1))
-                if self.masked:
-                    floats.append(real.reshape(-1).to(torch.float32))
-            shapes.append((len(group), len(fresh), length, sizes))
-        longs_at, doubles_at = self._send(torch.cat(longs)), self._send(torch.cat(doubles))
-        floats_at = self._send(torch.cat(floats)) if floats else None
-        at = {"long": 0, "float": 0, "double": 0}
+            size = [batch_size_of(item) if self.bank is None else len(item) for _, item, _ in group]
+            epoch = [i for i, _, new_epoch in group if new_epoch]
+            shapes.append((len(group), len(epoch), self._length(size[0]) if self.masked else size[0]))
+            clients += [i for i, _, _ in group]
+            fresh += epoch
+            sizes += size
+        longs = [torch.tensor(clients + fresh, dtype=torch.int64)]
+        floats: torch.Tensor | None = None
+        if self.bank is not None:
+            lengths = [length for count, _, length in shapes for _ in range(count)]
+            batches = [item for group in groups for _, item, _ in group]
+            rows_at, real = self.bank.index(clients, batches, lengths)
+            longs.append(rows_at)
+            floats = real.to(torch.float32) if self.masked else None
+        longs_at = self._send(torch.cat(longs))
+        doubles_at = self._send(torch.tensor(sizes, dtype=torch.float64))
+        floats_at = self._send(floats) if floats is not None else None
+        # Where each group's part of each copy starts: clients, then fresh, then the bank's rows.
+        at = {"client": 0, "fresh": len(clients), "row": len(clients) + len(fresh), "size": 0, "mask": 0}
 
         def take(kind: str, source: torch.Tensor, count: int) -> torch.Tensor:
             start = at[kind]
@@ -391,17 +395,15 @@ class _Trainer:
             return source[start : start + count]
 
         out = []
-        for count, starting, length, sizes in shapes:
-            index = take("long", longs_at, count)
-            at_fresh = take("long", longs_at, starting) if starting else None
-            weights = take("double", doubles_at, count)
-            rows: torch.Tensor | None = None
-            mask: torch.Tensor | None = None
-            if self.bank is not None:
-                rows = take("long", longs_at, count * length)
-            if floats_at is not None:
-                mask = take("float", floats_at, count * length).reshape(count, length)
-            out.append(_Prepared(index, at_fresh, weights, sizes, length, rows, mask))
+        for count, starting, length in shapes:
+            index = take("client", longs_at, count)
+            at_fresh = take("fresh", longs_at, starting) if starting else None
+            weights = take("size", doubles_at, count)
+            group_sizes = sizes[at["size"] - count : at["size"]]
+            rows = take("row", longs_at, count * length) if self.bank is not None else None
+            mask = (take("mask", floats_at, count * length).reshape(count, length)
+                    if floats_at is not None else None)
+            out.append(_Prepared(index, at_fresh, weights, group_sizes, length, rows, mask))
         return out
 
     def _send(self, host: torch.Tensor) -> torch.Tensor:
