@@ -63,7 +63,7 @@ class Bank:
         the batches' rows end to end; and the bool mask of the real ones. `take` gathers them on the
         device. (In about a dozen tensor operations whatever the number of batches: one call a step
         group made about as many each, a tenth of a small fused round.)"""
-        sizes = [len(s) for s in slices]
+        sizes = [s.shape[0] for s in slices]
         per_batch = torch.tensor([sizes, lengths, list(accumulate(sizes, initial=0))[:-1],
                                   list(accumulate(lengths, initial=0))[:-1]], dtype=torch.int64)
         flat = torch.cat(list(slices)) + torch.repeat_interleave(self.offsets[list(clients)], per_batch[0])

@@ -112,10 +112,12 @@ def train_fused(
 
     Every context must share one round and one `train` section; `model` is not changed.
     """
-    if not ctxs or any(can_fuse(model, ctx) for ctx in ctxs):
+    if not ctxs:
         return None
     settings = ctxs[0].train
     if any(ctx.train != settings or ctx.config != ctxs[0].config for ctx in ctxs):
+        return None
+    if can_fuse(model, ctxs[0]):  # what it asks of a context is its train section and config: one
         return None
     sources = [source(data, "training data") for data in datas]
     if not all(src.indexable for src in sources):
@@ -341,7 +343,7 @@ class _Trainer:
         batches of one exact shape."""
         groups: dict[Any, list[_Item]] = {}
         for item in pending:
-            size = len(item[1]) if self.bank is not None else batch_size_of(item[1])
+            size = item[1].shape[0] if self.bank is not None else batch_size_of(item[1])
             key: Any = self._length(size) if self.masked else size
             if self.bank is None:
                 key = (key, _signature(item[1], per_example=bool(self.masked)))
@@ -369,7 +371,7 @@ class _Trainer:
         sizes: list[int] = []
         shapes = []
         for group in groups:
-            size = [batch_size_of(item) if self.bank is None else len(item) for _, item, _ in group]
+            size = [batch_size_of(item) if self.bank is None else item.shape[0] for _, item, _ in group]
             epoch = [i for i, _, new_epoch in group if new_epoch]
             shapes.append((len(group), len(epoch), self._length(size[0]) if self.masked else size[0]))
             clients += [i for i, _, _ in group]
@@ -622,7 +624,9 @@ def _stream(
             assert src.size is not None
             order = torch.randperm(src.size, generator=generator)  # as Source.batches draws it
             size = settings.batch_size
-            batches: Iterator[Any] = (order[start : start + size] for start in range(0, src.size, size))
+            batches: Iterator[Any] = (
+                iter((order,)) if 0 < src.size <= size  # one batch: the whole order, uncut
+                else (order[start : start + size] for start in range(0, src.size, size)))
         else:
             batches = src.batches(settings.batch_size, generator)
         for batch in batches:
