@@ -61,8 +61,7 @@ class Bank:
         """Where each batch lies in the bank, on the host, for a whole plan at once: batch j (`slices[j]`,
         indices into client `clients[j]`'s own data) padded to `lengths[j]` with its first example,
         the batches' rows end to end; and the bool mask of the real ones. `take` gathers them on the
-        device. (In about a dozen tensor operations whatever the number of batches: one call a step
-        group made about as many each, a tenth of a small fused round.)"""
+        device. About a dozen tensor operations, whatever the number of batches."""
         sizes = [s.shape[0] for s in slices]
         per_batch = torch.tensor([sizes, lengths, list(accumulate(sizes, initial=0))[:-1],
                                   list(accumulate(lengths, initial=0))[:-1]], dtype=torch.int64)

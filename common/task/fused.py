@@ -373,14 +373,14 @@ class _Trainer:
         for group in groups:
             size = [batch_size_of(item) if self.bank is None else item.shape[0] for _, item, _ in group]
             epoch = [i for i, _, new_epoch in group if new_epoch]
-            shapes.append((len(group), len(epoch), self._length(size[0]) if self.masked else size[0]))
+            shapes.append((len(group), len(epoch), self._length(size[0]) if self.masked else size[0], size))
             clients += [i for i, _, _ in group]
             fresh += epoch
             sizes += size
         longs = [torch.tensor(clients + fresh, dtype=torch.int64)]
         floats: torch.Tensor | None = None
         if self.bank is not None:
-            lengths = [length for count, _, length in shapes for _ in range(count)]
+            lengths = [length for count, _, length, _ in shapes for _ in range(count)]
             batches = [item for group in groups for _, item, _ in group]
             rows_at, real = self.bank.index(clients, batches, lengths)
             longs.append(rows_at)
@@ -397,11 +397,10 @@ class _Trainer:
             return source[start : start + count]
 
         out = []
-        for count, starting, length in shapes:
+        for count, starting, length, group_sizes in shapes:
             index = take("client", longs_at, count)
             at_fresh = take("fresh", longs_at, starting) if starting else None
             weights = take("size", doubles_at, count)
-            group_sizes = sizes[at["size"] - count : at["size"]]
             rows = take("row", longs_at, count * length) if self.bank is not None else None
             mask = (take("mask", floats_at, count * length).reshape(count, length)
                     if floats_at is not None else None)
