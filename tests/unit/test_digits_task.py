@@ -100,3 +100,22 @@ def test_building_a_model_leaves_the_global_torch_rng_untouched() -> None:
 def test_bad_options_are_refused_naming_the_option(options: dict[str, Any], where: str) -> None:
     with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
         runtime(**options)
+
+
+def test_the_digits_table_is_scikit_learns_read_without_importing_it() -> None:
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from fedmq.tasks.digits import _raw_digits
+
+    pixels, labels = _raw_digits()
+    reference = load_digits()
+    assert pixels.dtype == reference.data.dtype and np.array_equal(pixels, reference.data)
+    assert labels.dtype == reference.target.dtype and np.array_equal(labels, reference.target)
+    # A process that loads the Task's data never imports scikit-learn (78 MiB of its memory).
+    probe = ("import sys; from fedmq.tasks.digits import _standardised; _standardised(0.2, 0); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
