@@ -16,7 +16,8 @@ def evaluate_on_server(job: AggJob, server_round: int, data_dir: Path | None) ->
     """The metrics of the job's current model on the Task's server data; None when not evaluated.
 
     Evaluated when the spec asks for server evaluation, the round is one of its evaluation
-    rounds (and round 0, the initial model), and the Task has server data.
+    rounds (and round 0, the initial model), and the Task has server data. The data is loaded by
+    the first evaluation and let go after the job's last round's (a later one loads it again).
     """
     if not job.spec.evaluate.server or not (server_round == 0 or job.spec.evaluates(server_round)):
         return None
@@ -28,4 +29,7 @@ def evaluate_on_server(job: AggJob, server_round: int, data_dir: Path | None) ->
     ctx = EvalContext(
         round=server_round, seed=job.spec.seed, device=torch.device("cpu"), batch_size=SERVER_BATCH
     )
-    return dict(job.runtime.evaluate(job.model, job.server_data, ctx).metrics)
+    metrics = dict(job.runtime.evaluate(job.model, job.server_data, ctx).metrics)
+    if server_round >= job.spec.rounds:
+        job.server_data, job.server_data_loaded = None, False
+    return metrics

@@ -53,3 +53,18 @@ def test_state_for_learners_from_a_strategy_that_does_not_send_it_is_refused(
     with pytest.raises(UserCodeError, match=said) as raised:
         close_round(job, 1, [], [], None)
     assert raised.value.phase == "strategy.aggregate" and not job.clients.clients()
+
+
+def test_the_server_data_is_loaded_by_the_first_evaluation_and_let_go_after_the_last(tmp_path: Path) -> None:
+    from fedmq.services.aggregator.evaluation import evaluate_on_server
+
+    job = new_job(tmp_path, "lean", small_job(rounds=2), TESTS_ALLOWED)
+    assert job.server_data is None, "nothing loaded before an evaluation asks for it"
+    first = evaluate_on_server(job, 0, None)
+    assert first is not None and job.server_data is not None
+    evaluate_on_server(job, 1, None)
+    assert job.server_data is not None, "kept between the job's rounds"
+    last = evaluate_on_server(job, 2, None)
+    assert last == first, "the same model on the same data"
+    assert job.server_data is None and not job.server_data_loaded, "let go after the last round"
+    assert evaluate_on_server(job, 2, None) == last, "asked again (a restart's re-close), it loads again"
