@@ -7,7 +7,10 @@ any job), the warm idle (after a one-round job with a tiny model of the same Tas
 imports the data stack and loads the digits data), and the peak (VmHWM) through the big
 model's round; the peak's growth over each against the model size. Prints one JSON object.
 
-Usage: python benchmarks/large_model.py [--width 2048] [--depth 13] [--learners 2]
+With --shared-models the learners share the models they fetch through one folder, as compose's
+do: the aggregator then publishes each round's model once, not once per learner.
+
+Usage: python benchmarks/large_model.py [--width 2048] [--depth 13] [--learners 2] [--shared-models]
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=13)
     parser.add_argument("--learners", type=int, default=2)
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--shared-models", action="store_true",
+                        help="the learners share fetched models through one folder (FEDMQ_SHARED_MODELS_DIR)")
     args = parser.parse_args()
     width, depth = args.width, args.depth
     params = 64 * width + (depth - 1) * width**2 + width * 10 + width * depth + 10
@@ -76,7 +81,8 @@ def main() -> None:
         # costs (the data stack's libraries, the digits data) are then in the warm idle RSS.
         warm_up = write_spec(root / "warm.yaml", "warm-up", [8], args.clients)
         spec = write_spec(root / "big.yaml", "big-model", [width] * depth, args.clients)
-        with cluster(root, learners=args.learners, FEDMQ_REQUEST_TIMEOUT_S="600") as c:
+        shared = {"FEDMQ_SHARED_MODELS_DIR": str(root / "shared-models")} if args.shared_models else {}
+        with cluster(root, learners=args.learners, FEDMQ_REQUEST_TIMEOUT_S="600", **shared) as c:
             c.wait_learners(args.learners)
             agg = c.procs["aggregator"].pid
             learners = [c.procs[f"learner-{i}"].pid for i in range(args.learners)]
@@ -108,6 +114,8 @@ def main() -> None:
         "largest_broker_message_mib": round(largest / MiB, 3),
         "every_message_within_frame": largest <= frame,
         "blobs_sent": {n: sum(s["blobs_sent"] for s in rows) for n, rows in stats.items()},
+        "shared_models": args.shared_models,
+        "aggregator_published_mib": round(sum(s["published_bytes"] for s in stats["aggregator"]) / MiB, 1),
         "aggregator_baseline_rss_mib": round(baseline / 1024, 1),
         "aggregator_warm_rss_mib": round(warm / 1024, 1),
         "aggregator_peak_rss_mib": round(peak / 1024, 1),

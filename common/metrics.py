@@ -123,6 +123,10 @@ class Metrics:
             "fedmq_learner_model_fetches_total", "Global models fetched over the bus (cache misses)",
             registry=r,
         )
+        self.models_shared = Counter(
+            "fedmq_learner_models_shared_total", "Global models read from the folder this host's learners "
+            "share (FEDMQ_SHARED_MODELS_DIR) instead of fetched over the bus", registry=r,
+        )
         self.state_cache = Counter(
             "fedmq_learner_state_cache_total", "Client state kept by its learner: hit (used, not "
             "fetched), miss (fetched), spilled (to disk), evicted, too_large", ["event"], registry=r,

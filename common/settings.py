@@ -132,6 +132,12 @@ class Settings(BaseSettings):
         64, ge=1, description="clients whose data a learner keeps loaded at once (least recently used goes); "
         "at least fuse_clients"
     )
+    shared_models_dir: Path | None = Field(
+        None, description="learners: a folder the learners of one host share (a compose volume): a global "
+        "model one of them fetched in chunks is linked there and the others read it from there, checked "
+        "against its digest, instead of fetching it again over the broker. Writable by those learners only, "
+        "as their state_dir is; unset: each learner fetches its own",
+    )
     fuse_clients: int = Field(
         1, ge=1, description="tasks a learner takes at once (its prefetch) to train together, for jobs with "
         "train.fuse; 1: one at a time. `fedmq run` of a fused job: its share of a round's clients",

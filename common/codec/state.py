@@ -54,7 +54,16 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     The digest is the same however many threads computed it."""
     digest = hashlib.sha256(b"fedmq.state_digest.v2\0")
     digest.update(struct.pack("<Q", len(state)))
-    parts = [(name.encode(), *tensor_parts(state[name])) for name in sorted(state)]
+    names = sorted(state)
+    # A file's tensors (each access reads it afresh: codec.TensorFile) are hashed one at a time, so
+    # that the whole model is never in memory at once; the same digest either way.
+    for group in ([[name] for name in names] if getattr(state, "owned_reads", False) else [names]):
+        _add_tensors(digest, [(name.encode(), *tensor_parts(state[name])) for name in group])
+    return digest.hexdigest()
+
+
+def _add_tensors(digest: hashlib._Hash, parts: list[tuple[bytes, bytes, memoryview]]) -> None:
+    """Each (name, header, data) into `digest`, in order, its data as the digests of its pieces."""
     pieces = [data[at:at + DIGEST_PIECE]
               for _, _, data in parts for at in range(0, data.nbytes, DIGEST_PIECE)]
     # A small state hashes at once: threads would cost more than they save (one close a round).
@@ -73,7 +82,6 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
         digest.update(header)
         for _ in range(0, data.nbytes, DIGEST_PIECE):
             digest.update(next(hashed))
-    return digest.hexdigest()
 
 
 def _sha256(data: memoryview) -> bytes:

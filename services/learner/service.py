@@ -34,7 +34,7 @@ import torch
 from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body, Bus, Delivery
-from fedmq.common.codec import TensorFile
+from fedmq.common.codec import TensorFile, state_digest
 from fedmq.common.errors import BrokerUnavailable, FedmqError
 from fedmq.common.groups import group_of, groupable
 from fedmq.common.heap import large_buffers_unmapped
@@ -62,7 +62,7 @@ from fedmq.common.settings import Settings
 from fedmq.common.task.sealing import StateSealer
 from fedmq.services.learner.ddp import DdpRunner
 from fedmq.services.learner.device import resolve_device
-from fedmq.services.learner.models import ModelFolder
+from fedmq.services.learner.models import ModelFolder, SharedModels, file_identity
 from fedmq.services.learner.work import Work, client_failure
 
 log = structlog.get_logger("fedmq.learner")
@@ -90,7 +90,11 @@ class LearnerService:
         self.node = settings.node or socket.gethostname()
         # Without a replica index (compose has none) the pid keeps names on one host apart.
         self.name = f"{self.node}/{given}" if given is not None else f"{self.node}/pid{os.getpid()}"
-        self.models = ModelFolder(Path(settings.state_dir) / "learner")  # large models, as files
+        shared = settings.shared_models_dir  # the folder this host's learners share models through
+        self.shared = SharedModels.opened(shared, settings.request_timeout_s) if shared is not None else None
+        # Large models, as files: beside the shared ones when there are (a share is then a hard link).
+        own = shared / "learners" if shared is not None else Path(settings.state_dir) / "learner"
+        self.models = ModelFolder(own)
         key = settings.state_key
         sealer = StateSealer(key.get_secret_value()) if key is not None else None
         self.work = Work(settings, self.name, self._fetch_large, self.metrics, self._fetch_state, allowed,
@@ -379,8 +383,45 @@ class LearnerService:
 
     def _fetch_large(self, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
         """As `_fetch`; a model that came in chunks stays in a file of `self.models` (a TensorFile:
-        read a tensor at a time), which the work cache deletes when it drops the model."""
-        return self._fetch_model(job_id, digest, to_file=True)
+        read a tensor at a time), which the work cache deletes when it drops the model.
+
+        With FEDMQ_SHARED_MODELS_DIR, a model another learner of this host fetched is read from
+        there (0 bytes over the bus), and one fetched here is shared there; one learner at a time
+        fetches a model, the others wait for it."""
+        if self.shared is None or not self.shared.shares(digest):
+            return self._fetch_model(job_id, digest, to_file=True)
+        refused: tuple[int, ...] | None = None  # the shared file found not to be that model
+        for _ in range(2):
+            with self.shared.turn(digest):  # one learner of the host fetches it; the others wait, link it
+                if refused is not None:
+                    self.shared.discard(digest, refused)  # if no other learner has replaced it since
+                try:
+                    own = self.shared.take(digest, self.models.path)
+                except OSError as exc:  # the shared folder's trouble (its rights, a full disk): fetched
+                    log.warning("shared_model_unreadable", error=str(exc)[:300])
+                    own = None
+                if own is None:
+                    return self._fetch_and_share(job_id, digest)
+            refused = file_identity(own)
+            try:  # checked outside the turn: the host's learners check their links at once
+                weights = self._model_file(own, digest, check=True)
+            except Exception as exc:  # not a whole model of that digest: fetched instead
+                log.warning("shared_model_refused", digest=digest[:12], error=str(exc)[:300])
+                continue
+            self.metrics.models_shared.inc()
+            return weights, 0
+        return self._fetch_model(job_id, digest, to_file=True)  # refused twice: fetched for itself
+
+    def _fetch_and_share(self, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
+        """A model fetched over the bus, its file then shared with this host's other learners."""
+        assert self.shared is not None
+        weights, size = self._fetch_model(job_id, digest, to_file=True)
+        if isinstance(weights, TensorFile):
+            try:
+                self.shared.put(digest, Path(weights.path))
+            except OSError as exc:  # the shared folder's trouble: this learner has its model
+                log.warning("shared_model_unwritable", error=str(exc)[:300])
+        return weights, size
 
     def _fetch_model(self, job_id: str, digest: str, to_file: bool) -> tuple[Mapping[str, torch.Tensor], int]:
         request = to_wire(ModelGet(job_id=job_id, digest=digest))
@@ -393,26 +434,35 @@ class LearnerService:
                 body = self.bus.request(topology.MODEL, request, timeout=timeout)
         except Exception as exc:  # the transport's trouble, or this learner's disk: never the client's
             raise BrokerUnavailable(f"model fetch failed: {type(exc).__name__}: {exc}") from exc
-        limit = self.settings.max_message_bytes
         if isinstance(body, bytes):
-            return self._model(from_wire(body, max_bytes=limit), digest), len(body)
+            return self._model(from_wire(body, max_bytes=self.settings.max_message_bytes), digest), len(body)
+        size = body.stat().st_size
+        return self._model_file(body, digest), size
+
+    def _model_file(self, path: Path, digest: str, check: bool = False) -> Mapping[str, torch.Tensor]:
+        """The model a ModelReply file holds (its tensors read from it on access when it is large;
+        a small one is decoded whole and the file removed). `check`: its tensors must hash to
+        `digest` (a file this learner did not fetch itself)."""
         try:
-            size = body.stat().st_size
-            weights = self._model(from_wire_file(body, max_bytes=limit), digest)
+            weights = self._model(from_wire_file(path, max_bytes=self.settings.max_message_bytes), digest)
+            if check and state_digest(weights) != digest:
+                raise FedmqError(f"model {digest[:12]}: its tensors do not hash to its digest")
         except BaseException:
-            body.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             raise
         if not isinstance(weights, TensorFile):
-            body.unlink(missing_ok=True)  # small enough to have been decoded whole
+            path.unlink(missing_ok=True)  # small enough to have been decoded whole
         else:
             large_buffers_unmapped()
-        return weights, size
+        return weights
 
     @staticmethod
     def _model(msg: Message, digest: str) -> Mapping[str, torch.Tensor]:
         reply = expect(msg, ModelReply)
         if reply.error or reply.weights is None:
             raise FedmqError(f"model {digest[:12]} unavailable: {reply.error}")
+        if reply.digest != digest:
+            raise FedmqError(f"asked for model {digest[:12]}, got {reply.digest[:12]}")
         return reply.weights
 
     def _fetch_state(self, job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:

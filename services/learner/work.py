@@ -630,8 +630,9 @@ class Work:
             self._models.move_to_end(digest)
             return weights, 0
         weights, size = self.fetch(job_id, digest)
-        self.fetches += 1
-        self.metrics.model_fetches.inc()
+        if size:  # over the bus (0: by reference, or from the folder the host's learners share)
+            self.fetches += 1
+            self.metrics.model_fetches.inc()
         self._models[digest] = weights
         while len(self._models) > MODEL_CACHE:
             _drop(self._models.popitem(last=False)[1])

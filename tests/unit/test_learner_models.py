@@ -1,14 +1,23 @@
-"""A learner's folder of fetched models: made on first use, removed on close, swept when its learner died."""
+"""A learner's folder of fetched models: made on first use, removed on close, swept when its learner
+died; and the folder the learners of one host share them through."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from fedmq.services.learner.models import ORPHAN_AGE_S, ModelFolder, sweep
+import pytest
+
+from fedmq.services.learner import models as models_module
+from fedmq.services.learner.models import ORPHAN_AGE_S, ModelFolder, SharedModels, sweep
+
+DIGESTS = [hashlib.sha256(bytes([i])).hexdigest() for i in range(8)]
 
 
 def test_the_folder_is_made_on_first_use_and_removed_on_close(tmp_path: Path) -> None:
@@ -64,3 +73,86 @@ def test_learners_starting_together_never_sweep_each_others_folders(tmp_path: Pa
         assert len(set(made)) == len(folders) and all(path.is_dir() for path in made)
         for folder in folders:
             folder.close()
+
+
+def test_only_a_digest_names_a_shared_file() -> None:
+    assert SharedModels.shares(DIGESTS[1])
+    for name in ("../" + DIGESTS[1][3:], DIGESTS[1].upper(), DIGESTS[1][:-1], "", "a" * 65, "x/" + "a" * 62):
+        assert not SharedModels.shares(name), name
+
+
+def test_a_shared_model_is_linked_into_each_readers_folder_and_outlives_its_pruning(tmp_path: Path) -> None:
+    shared = SharedModels(tmp_path / "shared", wait_s=1.0)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    for folder in (mine, theirs, shared.root):
+        folder.mkdir()
+    assert shared.take(DIGESTS[0], theirs) is None, "nothing shared yet"
+    fetched = mine / "fetched.msg"
+    fetched.write_bytes(b"model 0")
+    shared.put(DIGESTS[0], fetched)
+    own = shared.take(DIGESTS[0], theirs)
+    assert own is not None and own.parent == theirs and own.read_bytes() == b"model 0"
+    assert os.path.samefile(own, shared.root / f"{DIGESTS[0]}.msg"), "a hard link, not a copy"
+    for i, digest in enumerate(DIGESTS[1:], 1):  # newer models push it out of the folder
+        other = mine / f"{i}.msg"
+        other.write_bytes(f"model {i}".encode())
+        os.utime(other, (time.time() + i, time.time() + i))
+        shared.put(digest, other)
+    kept = sorted(p.stem for p in shared.root.glob("*.msg"))
+    assert kept == sorted(DIGESTS[-SharedModels.KEEP:]), "the newest KEEP stay"
+    assert own.read_bytes() == b"model 0", "a reader's link outlives the shared file"
+
+
+def test_a_share_across_file_systems_is_a_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def cross_device(src: object, dst: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(models_module.os, "link", cross_device)
+    shared = SharedModels(tmp_path / "shared", wait_s=1.0)
+    shared.root.mkdir()
+    fetched = tmp_path / "fetched.msg"
+    fetched.write_bytes(b"model")
+    shared.put(DIGESTS[0], fetched)
+    own = shared.take(DIGESTS[0], tmp_path)
+    assert own is not None and own.read_bytes() == b"model"
+    assert not os.path.samefile(own, fetched)
+
+
+def test_one_learner_at_a_time_takes_its_turn_with_a_model_and_a_stuck_one_is_waited_for_only_so_long(
+    tmp_path: Path,
+) -> None:
+    shared = SharedModels(tmp_path / "shared", wait_s=0.3)
+    inside: list[str] = []
+    entered = threading.Event()
+    release = threading.Event()
+
+    def holder() -> None:
+        with shared.turn(DIGESTS[0]):
+            inside.append("holder")
+            entered.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert entered.wait(5)
+    started = time.monotonic()
+    with shared.turn(DIGESTS[0]):  # the holder never lets go in time: this one goes on without it
+        inside.append("waiter")
+    assert time.monotonic() - started >= 0.3
+    with shared.turn(DIGESTS[1]):  # another model's turn is its own
+        inside.append("other")
+    release.set()
+    thread.join(5)
+    with shared.turn(DIGESTS[0]):  # let go: taken at once
+        inside.append("after")
+    assert inside == ["holder", "waiter", "other", "after"]
+
+
+def test_a_shared_folder_the_learner_cannot_write_is_refused_at_its_start(tmp_path: Path) -> None:
+    from fedmq.common.errors import ConfigError
+
+    blocked = tmp_path / "file"
+    blocked.write_bytes(b"not a folder")
+    with pytest.raises(ConfigError, match="FEDMQ_SHARED_MODELS_DIR=.*cannot write there.*unset it"):
+        SharedModels.opened(blocked / "models", wait_s=1.0)
+    assert SharedModels.opened(tmp_path / "made" / "here", wait_s=1.0).root.is_dir()

@@ -1,0 +1,71 @@
+"""Learners of one host share the large global models they fetch (FEDMQ_SHARED_MODELS_DIR).
+
+Two learners on RabbitMQ, a model over the frame size (shrunk here: frame 64 KiB, SMALL_FILE
+1 KiB): each round's model crosses the broker once, the other learner reads it from the shared
+folder, and the run ends with the engine's bits. A file planted in the folder under the first
+model's digest, holding other weights, is refused (its tensors do not hash to the digest),
+removed and fetched instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedmq.common import messages
+from fedmq.common.allowlist import AllowList
+from fedmq.common.bus.rabbitmq import RabbitBus
+from fedmq.common.checkpoint import load_state
+from fedmq.common.codec import state_digest
+from fedmq.common.messages import ModelReply, to_wire_parts
+from fedmq.common.settings import Settings
+from fedmq.services.aggregator.jobs import new_job
+from fedmq.services.cli.embedded import run_job
+from fedmq.services.learner import service as learner_service
+from fedmq.services.learner.models import SharedModels
+from tests.conftest import EmbeddedRuns, assert_bit_identical, small_job
+from tests.rabbit import fresh_vhost
+
+pytestmark = pytest.mark.rabbitmq
+
+
+def test_learners_of_one_host_fetch_each_model_once_and_refuse_a_planted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, embedded_runs: EmbeddedRuns
+) -> None:
+    spec = small_job(task__options__model__hidden=[512], clients__total=8, rounds=3)
+    expected = embedded_runs.weights(spec)
+    monkeypatch.setattr(messages, "SMALL_FILE", 1024)
+    monkeypatch.setattr(learner_service, "large_buffers_unmapped", lambda: None)  # not in this process
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    initial = new_job(tmp_path / "agg", "probe", spec, AllowList.services(("tests", "examples"))).weights
+    first = state_digest(initial)
+    planted = {name: torch.zeros_like(t) for name, t in initial.items()}
+    impostor = ModelReply(job_id="x", digest=first, weights=planted)
+    (shared / f"{first}.msg").write_bytes(to_wire_parts(impostor).join())
+    taken: list[bool] = []
+    take = SharedModels.take
+
+    def recording(self: SharedModels, digest: str, into: Path) -> Path | None:
+        own = take(self, digest, into)
+        taken.append(own is not None)
+        return own
+
+    monkeypatch.setattr(SharedModels, "take", recording)
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path / "state", log_format="json",
+                            frame_bytes=64 * 1024, shared_models_dir=shared)
+        result = run_job(spec, settings, learners=2, connect=lambda name: RabbitBus(settings, name),
+                         idle_timeout=60)
+    assert result["status"] == "completed", result
+    assert_bit_identical(load_state(result["model_path"])[0], expected)
+    assert sum(result["model_fetches"]) == spec.rounds, "each round's model crossed the broker once"
+    assert taken[0] is True, "the planted file was taken, checked and refused"
+    assert any(taken[1:]), "the other learner read a model its neighbour fetched"
+    kept = sorted(p.name for p in shared.glob("*.msg"))
+    assert f"{first}.msg" in kept and len(kept) == spec.rounds, kept
+    reply = messages.from_wire_file(shared / f"{first}.msg", max_bytes=1 << 30)
+    assert isinstance(reply, ModelReply) and reply.weights is not None
+    assert state_digest(reply.weights) == first, "the real one now"
