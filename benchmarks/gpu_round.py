@@ -144,13 +144,13 @@ def main() -> None:
     }
     report |= run(spec, args.device)
     report["train_over_plain_train"] = round(report["train_s_median"] / report["plain_train_s"], 2)
-    report["target_outside_training_s"] = 1.0
+    report["target_outside_training_s"] = 1.0 if args.bus == "embedded" else 2.0
     print(json.dumps(report, indent=2))
     emit(f"gpu_round_outside_training_{args.bus}",
          f"a {report['model_mb']} MB model's round of {args.clients} clients on {report['device']}, "
          f"{args.bus}: time outside training; baseline: the whole round",
          figure=report["outside_training_s_median"], baseline=report["round_s_median"],
-         unit="s a round", at_most=1.0, on="figure",
+         unit="s a round", at_most=1.0 if args.bus == "embedded" else 2.0, on="figure",  # issue 33: 2 s
          applies=device.type == "cuda" and 190 < report["model_mb"] < 210 and args.clients == 4,
          why_not="the goal is for a 200 MB model's round of 4 clients on a GPU")
 

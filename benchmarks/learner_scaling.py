@@ -64,7 +64,7 @@ def main() -> None:
     if "1" in runs:  # the goal: 8 learners against one, 40 clients a round, on 16 cores
         emit("learner_scaling", f"clients trained a second by {most} learner processes against by one, "
              f"RabbitMQ, {args.clients} clients a round", figure=runs[most]["clients_per_s"],
-             baseline=runs["1"]["clients_per_s"], unit="clients a second", at_least=6.0,
+             baseline=runs["1"]["clients_per_s"], unit="clients a second", at_least=7.0,  # issue 33
              applies=most == "8" and args.clients == 40 and (os.cpu_count() or 0) >= 16,
              why_not="the goal is 8 learners against one, 40 clients a round, on 16 cores")
 
