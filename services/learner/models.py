@@ -14,14 +14,18 @@ drops the model; `close` removes the folder. A folder whose lock any process can
 learner that died (SIGKILL): the next learner to start here removes it.
 
     <FEDMQ_SHARED_MODELS_DIR>/             one folder for the learners of a host (SharedModels)
-        <digest>.msg                       a model one of them fetched, hard-linked there (copied
-                                           across file systems); the newest KEEP stay
-        <digest>.lock                      flock'ed by the learner fetching or reading that model:
-                                           the others wait for it, then link its file into their
-                                           own folder (a link: the file outlives its pruning)
+        <digest>.msg                       a model one of them fetched in chunks, hard-linked there
+                                           (copied across file systems), read-only; the newest KEEP
+        locks/<digest[:2]>                 flock'ed by the learner fetching or linking a model: the
+                                           others wait for it, then link its file into their own
+                                           folder (a link: the file outlives its pruning)
+        learners/models-<random>/          each learner's own folder, as above, there instead of
+                                           under its state_dir (so that a share is a link)
 
-A model read from the shared folder is used only if it decodes as a ModelReply of that digest
-and its tensors hash to it (codec.state_digest); anything else is removed and fetched instead.
+A model read from the shared folder is used only if it is a regular file within the message
+limit that decodes as a ModelReply of that digest whose tensors hash to it (codec.state_digest);
+anything else is removed and fetched instead. The learners sharing a folder are one trust domain:
+each can write the others' model files, as any of them could write its own.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -132,24 +137,23 @@ class SharedModels:
 
     KEEP = 4  # models kept in the folder: a round's, and a few jobs' at once
 
-    def __init__(self, root: Path, wait_s: float) -> None:
+    def __init__(self, root: Path, wait_s: float, max_bytes: int) -> None:
         self.root = root
         self.wait_s = wait_s  # how long a learner waits for another fetching the same model
+        self.max_bytes = max_bytes  # the largest file taken (FEDMQ_MAX_MESSAGE_BYTES)
+        self.small: set[str] = set()  # jobs whose models came whole (not in chunks): nothing to share
 
-    @classmethod
-    def opened(cls, root: Path, wait_s: float) -> SharedModels:
-        """The folder, made if need be; ConfigError (at the learner's start) if this learner cannot
-        write there."""
+    def check(self) -> None:
+        """The folder made if need be; ConfigError (at the learner's start) if it cannot be written."""
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            probe = root / f".probe-{uuid.uuid4().hex}.tmp"
+            (self.root / "locks").mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".probe-{uuid.uuid4().hex}.tmp"
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
             why = exc.strerror or str(exc)
-            raise ConfigError(f"FEDMQ_SHARED_MODELS_DIR={root}: this learner cannot write there ({why}); "
-                              "give the learners' user that folder, or unset it") from None
-        return cls(root, wait_s)
+            raise ConfigError(f"FEDMQ_SHARED_MODELS_DIR={self.root}: this learner cannot write there "
+                              f"({why}); give the learners' user that folder, or unset it") from None
 
     @staticmethod
     def shares(digest: str) -> bool:
@@ -161,9 +165,8 @@ class SharedModels:
         """While inside, no other learner of the host fetches or reads `digest` through the folder:
         they wait (at most `wait_s`, then go on without it: a stuck neighbour never stops one; nor
         does a folder it cannot lock in)."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            lock = open(self.root / f"{digest}.lock", "ab")  # noqa: SIM115 - closed below
+        try:  # a fixed set of locks, never removed: two models may share one (and wait for each other)
+            lock = open(self.root / "locks" / digest[:2], "ab")  # noqa: SIM115 - closed below
         except OSError as exc:
             log.warning("shared_model_unlockable", error=str(exc)[:300])
             yield
@@ -181,21 +184,36 @@ class SharedModels:
                     time.sleep(0.02)
             yield  # the lock goes with the file's close
 
-    def take(self, digest: str, into: Path) -> Path | None:
-        """`digest`'s shared file as a new file of `into` (this learner's own folder); None if the
-        folder has none."""
-        own = into / f"{uuid.uuid4().hex}.msg"
+    def take(self, digest: str, into: Path) -> tuple[Path, tuple[int, ...]] | None:
+        """`digest`'s shared file as a new file of `into` (this learner's own folder), and the shared
+        file's identity (for `discard`); None if the folder has none. A name that is not a regular
+        file within the message limit (a link, a FIFO, a device) is refused as a bad model is."""
+        shared = self.root / f"{digest}.msg"
         try:
-            _link_or_copy(self.root / f"{digest}.msg", own)
+            before = _regular(shared, self.max_bytes)
         except FileNotFoundError:
             return None
-        return own
+        except ValueError:  # never a model: gone (in this digest's turn, no learner is sharing it now)
+            with contextlib.suppress(OSError):  # a folder stays: refused each time
+                shared.unlink()
+            raise
+        own = into / f"{uuid.uuid4().hex}.msg"
+        try:
+            if _link_or_copy(shared, own, before) and _identity(own.lstat()) != before:
+                raise ValueError(f"{shared} changed while it was linked")  # (a link links a symlink itself)
+        except BaseException:
+            own.unlink(missing_ok=True)
+            raise
+        return own, before
 
     def put(self, digest: str, path: Path) -> None:
-        """Share this learner's fetched file of `digest`, then keep only the newest KEEP."""
+        """Share this learner's fetched file of `digest` (read-only from now on), then keep only
+        the newest KEEP."""
+        path.chmod(0o444)
         temp = self.root / f".{digest}.{uuid.uuid4().hex}.tmp"
         try:
-            _link_or_copy(path, temp)
+            if not _link_or_copy(path, temp):
+                temp.chmod(0o444)
             os.replace(temp, self.root / f"{digest}.msg")
         finally:
             temp.unlink(missing_ok=True)
@@ -206,7 +224,7 @@ class SharedModels:
         removed so that it is fetched again; unless another learner has replaced it meanwhile."""
         shared = self.root / f"{digest}.msg"
         with contextlib.suppress(OSError):
-            if file_identity(shared) == refused:
+            if _identity(shared.lstat()) == refused:
                 shared.unlink()
 
     def _prune(self) -> None:
@@ -216,25 +234,44 @@ class SharedModels:
                 models.append((path.stat().st_mtime, path))
         for _, path in sorted(models, reverse=True)[self.KEEP:]:
             path.unlink(missing_ok=True)  # a learner reading it holds its own link
-            path.with_suffix(".lock").unlink(missing_ok=True)
         for temp in self.root.glob(".*.tmp"):  # a learner died between its link and rename
             with contextlib.suppress(OSError):
                 if time.time() - temp.stat().st_ctime > ORPHAN_AGE_S:  # ctime: when it was linked
                     temp.unlink()
 
 
-def file_identity(path: Path) -> tuple[int, ...]:
+def _regular(path: Path, max_bytes: int) -> tuple[int, ...]:
+    """The identity of `path`, a regular file (not followed if a link) of at most `max_bytes`;
+    ValueError otherwise, FileNotFoundError if there is none."""
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    if st.st_size > max_bytes:
+        raise ValueError(f"{path} holds {st.st_size} bytes, over the {max_bytes} limit")
+    return _identity(st)
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
     """What a file is, whatever its names (a hard link shares it): its device and inode, and its
     size and mtime, since a freed inode's number may come back at once for another file."""
-    st = path.stat()
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _link_or_copy(source: Path, dest: Path) -> None:
-    """`dest` the same file as `source` (a hard link), or a copy of it on another file system."""
+def _link_or_copy(source: Path, dest: Path, expected: tuple[int, ...] | None = None) -> bool:
+    """`dest` the same file as `source` (a hard link: True), or a copy of it on another file system
+    (False); with `expected`, only a copy of the regular file of that identity (never through a
+    link, never blocking on a FIFO)."""
     try:
         os.link(source, dest)
+        return True
     except FileNotFoundError:
         raise
     except OSError:  # another file system, or links refused: a copy
-        shutil.copyfile(source, dest)
+        pass
+    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with open(fd, "rb") as src:
+        if expected is not None and _identity(os.fstat(fd)) != expected:
+            raise ValueError(f"{source} changed while it was copied")
+        with open(dest, "xb") as out:
+            shutil.copyfileobj(src, out)
+    return False

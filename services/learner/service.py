@@ -62,7 +62,7 @@ from fedmq.common.settings import Settings
 from fedmq.common.task.sealing import StateSealer
 from fedmq.services.learner.ddp import DdpRunner
 from fedmq.services.learner.device import resolve_device
-from fedmq.services.learner.models import ModelFolder, SharedModels, file_identity
+from fedmq.services.learner.models import ModelFolder, SharedModels
 from fedmq.services.learner.work import Work, client_failure
 
 log = structlog.get_logger("fedmq.learner")
@@ -91,7 +91,10 @@ class LearnerService:
         # Without a replica index (compose has none) the pid keeps names on one host apart.
         self.name = f"{self.node}/{given}" if given is not None else f"{self.node}/pid{os.getpid()}"
         shared = settings.shared_models_dir  # the folder this host's learners share models through
-        self.shared = SharedModels.opened(shared, settings.request_timeout_s) if shared is not None else None
+        # A neighbour fetching a model is waited for as long as its own fetch may take, and a margin.
+        wait_s = 1.2 * settings.request_timeout_s + 30
+        self.shared = (SharedModels(shared, wait_s, settings.max_message_bytes)
+                       if shared is not None else None)
         # Large models, as files: beside the shared ones when there are (a share is then a hard link).
         own = shared / "learners" if shared is not None else Path(settings.state_dir) / "learner"
         self.models = ModelFolder(own)
@@ -125,6 +128,8 @@ class LearnerService:
         return self.work.fetches
 
     def start(self) -> None:
+        if self.shared is not None:
+            self.shared.check()  # ConfigError: a folder this learner cannot write stops it here
         # A daemon thread: a stopping process does not wait for a half-done training step.
         self._worker = threading.Thread(target=self._work, name=f"train-{self.replica}", daemon=True)
         self._worker.start()
@@ -388,7 +393,7 @@ class LearnerService:
         With FEDMQ_SHARED_MODELS_DIR, a model another learner of this host fetched is read from
         there (0 bytes over the bus), and one fetched here is shared there; one learner at a time
         fetches a model, the others wait for it."""
-        if self.shared is None or not self.shared.shares(digest):
+        if self.shared is None or not self.shared.shares(digest) or job_id in self.shared.small:
             return self._fetch_model(job_id, digest, to_file=True)
         refused: tuple[int, ...] | None = None  # the shared file found not to be that model
         for _ in range(2):
@@ -396,34 +401,31 @@ class LearnerService:
                 if refused is not None:
                     self.shared.discard(digest, refused)  # if no other learner has replaced it since
                 try:
-                    own = self.shared.take(digest, self.models.path)
-                except OSError as exc:  # the shared folder's trouble (its rights, a full disk): fetched
-                    log.warning("shared_model_unreadable", error=str(exc)[:300])
-                    own = None
-                if own is None:
-                    return self._fetch_and_share(job_id, digest)
-            refused = file_identity(own)
+                    taken = self.shared.take(digest, self.models.path)
+                except (OSError, ValueError) as exc:  # the folder's trouble, or not a file: fetched
+                    log.warning("shared_model_unreadable", digest=digest[:12], error=str(exc)[:300])
+                    return self._fetch_model(job_id, digest, to_file=True)
+                if taken is None:
+                    return self._fetch_model(job_id, digest, to_file=True, share=True)
+            own, refused = taken
             try:  # checked outside the turn: the host's learners check their links at once
                 weights = self._model_file(own, digest, check=True)
-            except Exception as exc:  # not a whole model of that digest: fetched instead
+            except (FedmqError, ValueError) as exc:  # not a whole model of that digest (DecodeError too)
                 log.warning("shared_model_refused", digest=digest[:12], error=str(exc)[:300])
                 continue
+            except OSError as exc:  # this learner's trouble reading it (too many files open): fetched
+                log.warning("shared_model_unreadable", digest=digest[:12], error=str(exc)[:300])
+                return self._fetch_model(job_id, digest, to_file=True)
             self.metrics.models_shared.inc()
             return weights, 0
         return self._fetch_model(job_id, digest, to_file=True)  # refused twice: fetched for itself
 
-    def _fetch_and_share(self, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
-        """A model fetched over the bus, its file then shared with this host's other learners."""
-        assert self.shared is not None
-        weights, size = self._fetch_model(job_id, digest, to_file=True)
-        if isinstance(weights, TensorFile):
-            try:
-                self.shared.put(digest, Path(weights.path))
-            except OSError as exc:  # the shared folder's trouble: this learner has its model
-                log.warning("shared_model_unwritable", error=str(exc)[:300])
-        return weights, size
-
-    def _fetch_model(self, job_id: str, digest: str, to_file: bool) -> tuple[Mapping[str, torch.Tensor], int]:
+    def _fetch_model(
+        self, job_id: str, digest: str, to_file: bool, share: bool = False
+    ) -> tuple[Mapping[str, torch.Tensor], int]:
+        """The model over the bus and its size; `share`: one that came in chunks (a file) is shared
+        with this host's other learners first, and a job whose model came whole is remembered as
+        having nothing to share."""
         request = to_wire(ModelGet(job_id=job_id, digest=digest))
         timeout = self.settings.request_timeout_s
         try:
@@ -435,8 +437,15 @@ class LearnerService:
         except Exception as exc:  # the transport's trouble, or this learner's disk: never the client's
             raise BrokerUnavailable(f"model fetch failed: {type(exc).__name__}: {exc}") from exc
         if isinstance(body, bytes):
+            if share and self.shared is not None:
+                self.shared.small.add(job_id)
             return self._model(from_wire(body, max_bytes=self.settings.max_message_bytes), digest), len(body)
         size = body.stat().st_size
+        if share and self.shared is not None:
+            try:
+                self.shared.put(digest, body)
+            except OSError as exc:  # the shared folder's trouble: this learner has its model
+                log.warning("shared_model_unwritable", error=str(exc)[:300])
         return self._model_file(body, digest), size
 
     def _model_file(self, path: Path, digest: str, check: bool = False) -> Mapping[str, torch.Tensor]:

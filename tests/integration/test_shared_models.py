@@ -9,6 +9,7 @@ removed and fetched instead.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -48,10 +49,10 @@ def test_learners_of_one_host_fetch_each_model_once_and_refuse_a_planted_one(
     taken: list[bool] = []
     take = SharedModels.take
 
-    def recording(self: SharedModels, digest: str, into: Path) -> Path | None:
-        own = take(self, digest, into)
-        taken.append(own is not None)
-        return own
+    def recording(self: SharedModels, digest: str, into: Path) -> tuple[Path, tuple[int, ...]] | None:
+        found = take(self, digest, into)
+        taken.append(found is not None)
+        return found
 
     monkeypatch.setattr(SharedModels, "take", recording)
     with fresh_vhost() as url:
@@ -69,3 +70,27 @@ def test_learners_of_one_host_fetch_each_model_once_and_refuse_a_planted_one(
     reply = messages.from_wire_file(shared / f"{first}.msg", max_bytes=1 << 30)
     assert isinstance(reply, ModelReply) and reply.weights is not None
     assert state_digest(reply.weights) == first, "the real one now"
+
+
+def test_a_model_that_comes_whole_is_not_shared_nor_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, embedded_runs: EmbeddedRuns
+) -> None:
+    spec = small_job(clients__total=4, rounds=2)  # 32 hidden units: one frame
+    turns: list[str] = []
+    turn = SharedModels.turn
+
+    def counting(self: SharedModels, digest: str) -> contextlib.AbstractContextManager[None]:
+        turns.append(digest)
+        return turn(self, digest)
+
+    monkeypatch.setattr(SharedModels, "turn", counting)
+    shared = tmp_path / "shared"
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path / "state", log_format="json",
+                            shared_models_dir=shared)
+        result = run_job(spec, settings, learners=2, connect=lambda name: RabbitBus(settings, name),
+                         idle_timeout=60)
+    assert result["status"] == "completed", result
+    assert_bit_identical(load_state(result["model_path"])[0], embedded_runs.weights(spec))
+    assert list(shared.glob("*.msg")) == [], "nothing to share"
+    assert len(turns) <= 2, "each learner waits its turn once a job, to learn its models come whole"

@@ -82,16 +82,21 @@ def test_only_a_digest_names_a_shared_file() -> None:
 
 
 def test_a_shared_model_is_linked_into_each_readers_folder_and_outlives_its_pruning(tmp_path: Path) -> None:
-    shared = SharedModels(tmp_path / "shared", wait_s=1.0)
+    shared = SharedModels(tmp_path / "shared", wait_s=1.0, max_bytes=1 << 20)
     mine, theirs = tmp_path / "mine", tmp_path / "theirs"
-    for folder in (mine, theirs, shared.root):
+    for folder in (mine, theirs):
         folder.mkdir()
+    shared.check()
     assert shared.take(DIGESTS[0], theirs) is None, "nothing shared yet"
     fetched = mine / "fetched.msg"
     fetched.write_bytes(b"model 0")
     shared.put(DIGESTS[0], fetched)
-    own = shared.take(DIGESTS[0], theirs)
-    assert own is not None and own.parent == theirs and own.read_bytes() == b"model 0"
+    taken = shared.take(DIGESTS[0], theirs)
+    assert taken is not None
+    own, identity = taken
+    assert own.parent == theirs and own.read_bytes() == b"model 0"
+    assert not os.access(own, os.W_OK) or os.geteuid() == 0, "read-only once shared"
+    assert oct(own.stat().st_mode & 0o777) == oct(0o444)
     assert os.path.samefile(own, shared.root / f"{DIGESTS[0]}.msg"), "a hard link, not a copy"
     for i, digest in enumerate(DIGESTS[1:], 1):  # newer models push it out of the folder
         other = mine / f"{i}.msg"
@@ -108,20 +113,21 @@ def test_a_share_across_file_systems_is_a_copy(tmp_path: Path, monkeypatch: pyte
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     monkeypatch.setattr(models_module.os, "link", cross_device)
-    shared = SharedModels(tmp_path / "shared", wait_s=1.0)
-    shared.root.mkdir()
+    shared = SharedModels(tmp_path / "shared", wait_s=1.0, max_bytes=1 << 20)
+    shared.check()
     fetched = tmp_path / "fetched.msg"
     fetched.write_bytes(b"model")
     shared.put(DIGESTS[0], fetched)
-    own = shared.take(DIGESTS[0], tmp_path)
-    assert own is not None and own.read_bytes() == b"model"
-    assert not os.path.samefile(own, fetched)
+    taken = shared.take(DIGESTS[0], tmp_path)
+    assert taken is not None and taken[0].read_bytes() == b"model"
+    assert not os.path.samefile(taken[0], fetched)
 
 
 def test_one_learner_at_a_time_takes_its_turn_with_a_model_and_a_stuck_one_is_waited_for_only_so_long(
     tmp_path: Path,
 ) -> None:
-    shared = SharedModels(tmp_path / "shared", wait_s=0.3)
+    shared = SharedModels(tmp_path / "shared", wait_s=0.3, max_bytes=1 << 20)
+    shared.check()
     inside: list[str] = []
     entered = threading.Event()
     release = threading.Event()
@@ -154,5 +160,37 @@ def test_a_shared_folder_the_learner_cannot_write_is_refused_at_its_start(tmp_pa
     blocked = tmp_path / "file"
     blocked.write_bytes(b"not a folder")
     with pytest.raises(ConfigError, match="FEDMQ_SHARED_MODELS_DIR=.*cannot write there.*unset it"):
-        SharedModels.opened(blocked / "models", wait_s=1.0)
-    assert SharedModels.opened(tmp_path / "made" / "here", wait_s=1.0).root.is_dir()
+        SharedModels(blocked / "models", wait_s=1.0, max_bytes=1 << 20).check()
+    made = SharedModels(tmp_path / "made" / "here", wait_s=1.0, max_bytes=1 << 20)
+    assert not made.root.exists(), "nothing made before the learner starts"
+    made.check()
+    assert made.root.is_dir()
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "device", "oversized", "folder"])
+def test_a_shared_name_that_is_not_a_model_file_is_refused_and_removed_without_blocking(
+    tmp_path: Path, planted: str
+) -> None:
+    shared = SharedModels(tmp_path / "shared", wait_s=1.0, max_bytes=1024)
+    shared.check()
+    own = tmp_path / "own"
+    own.mkdir()
+    target = tmp_path / "secret"
+    target.write_bytes(b"x" * 10)
+    name = shared.root / f"{DIGESTS[0]}.msg"
+    if planted == "symlink":
+        name.symlink_to(target)
+    elif planted == "fifo":
+        os.mkfifo(name)
+    elif planted == "device":
+        name.symlink_to("/dev/zero")
+    elif planted == "oversized":
+        name.write_bytes(b"x" * 2048)
+    else:
+        name.mkdir()
+    with pytest.raises(ValueError, match="not a regular file|over the 1024 limit"):
+        shared.take(DIGESTS[0], own)
+    assert list(own.iterdir()) == [], "nothing linked or copied"
+    if planted != "folder":
+        assert not name.is_symlink() and not name.exists(), "the bad name is gone"
+    assert target.read_bytes() == b"x" * 10
