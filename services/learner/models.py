@@ -220,8 +220,9 @@ class SharedModels:
         self._prune()
 
     def discard(self, digest: str, refused: tuple[int, ...]) -> None:
-        """The shared file of `digest`, found not to be what it claims (`refused`: its file_identity),
-        removed so that it is fetched again; unless another learner has replaced it meanwhile."""
+        """The shared file of `digest`, found not to be what it claims (`refused`: its identity, as
+        `take` gave it), removed so that it is fetched again; unless another learner has replaced it
+        meanwhile."""
         shared = self.root / f"{digest}.msg"
         with contextlib.suppress(OSError):
             if _identity(shared.lstat()) == refused:
@@ -231,7 +232,7 @@ class SharedModels:
         models = []
         for path in self.root.glob("*.msg"):
             with contextlib.suppress(OSError):
-                models.append((path.stat().st_mtime, path))
+                models.append((path.lstat().st_mtime, path))
         for _, path in sorted(models, reverse=True)[self.KEEP:]:
             path.unlink(missing_ok=True)  # a learner reading it holds its own link
         for temp in self.root.glob(".*.tmp"):  # a learner died between its link and rename

@@ -402,9 +402,9 @@ class LearnerService:
                     self.shared.discard(digest, refused)  # if no other learner has replaced it since
                 try:
                     taken = self.shared.take(digest, self.models.path)
-                except (OSError, ValueError) as exc:  # the folder's trouble, or not a file: fetched
+                except (OSError, ValueError) as exc:  # the folder's trouble, or not a file (gone): fetched
                     log.warning("shared_model_unreadable", digest=digest[:12], error=str(exc)[:300])
-                    return self._fetch_model(job_id, digest, to_file=True)
+                    taken = None
                 if taken is None:
                     return self._fetch_model(job_id, digest, to_file=True, share=True)
             own, refused = taken
