@@ -3,7 +3,9 @@
 Measures, on RabbitMQ (real service processes) and on the in-memory bus (one process):
 the steady per-round time, and the time from submitting a job to its first round
 starting. The same job run as a plain single-process loop (tests/reference.py) is
-the baseline measured in the same run: what is left is fedmq's own overhead.
+the baseline measured in the same run: what is left is fedmq's own overhead. On RabbitMQ it also
+gives the CPU time each process (and a local broker) spent a steady round, which a shared
+machine's load changes far less than the round's time.
 Prints one JSON object.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -68,18 +71,48 @@ class Clock:
 
 
 def on_rabbitmq(spec: JobSpec, learners: int) -> dict[str, Any]:
+    """The figures, and the CPU each process spent a steady round (from round 3's start to the end;
+    the broker's too, when it runs on this machine): where a round's time goes on a busy machine."""
     with tempfile.TemporaryDirectory() as tmp, cluster(Path(tmp), learners=learners) as c:
         c.wait_learners(learners)
         settings = Settings(broker_url=c.url, state_dir=Path(tmp) / "cli")
+        pids = {name: proc.pid for name, proc in c.procs.items()} | local_broker()
         with Remote(settings) as remote:
             job_id = new_job_id(spec)
             follower = remote.follow(job_id)
             clock = Clock()
             remote.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
+            before: dict[str, float] = {}
             for event in follower.events(idle_timeout=120):
                 clock(event)
+                if event.kind == "round_started" and event.round == 3:
+                    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            after = {name: cpu_seconds(pid) for name, pid in pids.items()}
         c.stop_all()
-    return clock.figures(spec.rounds)
+    figures = clock.figures(spec.rounds)
+    steady = spec.rounds - 2
+    if before and steady > 0:
+        spent = {name: round(1000 * (after[name] - before[name]) / steady, 1) for name in pids}
+        figures["cpu_ms_a_round"] = spent | {"all": round(sum(spent.values()), 1)}
+    return figures
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system) process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def local_broker() -> dict[str, int]:
+    """The RabbitMQ node's process on this machine, if one runs here (its Erlang VM)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            command = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"beam.smp" in command and b"rabbit" in command:
+            return {"rabbitmq": int(proc.name)}
+    return {}
 
 
 def in_memory(spec: JobSpec, learners: int) -> dict[str, Any]:
