@@ -287,10 +287,12 @@ class JobFailed(Message):
 
 
 class ModelGet(Message):
-    """Learner → aggregator (request/reply): send me the weights with this digest."""
+    """Learner → aggregator (request/reply): send me the weights with this digest (`downlink`:
+    rounded as the job's compression.downlink says; none: exact, as the CLI downloads it)."""
 
     type: Literal["model_get"] = "model_get"
     digest: str = Field(max_length=128)
+    downlink: Literal["none", "bfloat16"] = "none"
 
 
 class ModelReply(Message):

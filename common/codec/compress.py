@@ -21,6 +21,12 @@ or ``int8`` with the per-tensor scale above. quantize_residual is that Q: the le
 Q(delta + residual_t - decoded) and gets exactly that back next round, dequantized, as
 residual_{t+1}, so learner and aggregator agree bit for bit.
 
+Downlink (`downlink: bfloat16`): the global model a learner fetches has its float32 and float64
+tensors rounded to bfloat16 on the wire (round to nearest even: each value within 2**-8 of its own
+magnitude, float32's range kept, so nothing overflows) and widened back on arrival; the learner
+trains from those values, in the engine as on the services. The aggregator keeps and folds the
+exact model; a delta an update sends is the trained weights minus the rounded model.
+
 The encoded form is a flat ``{key: tensor}`` map for the msgpack tensor codec plus plain
 metadata: ``{"format": 1, "codec": name, "tensors": [[name, dtype, shape], ...]}``. Keys are
 ``"<i>.<part>"`` with ``i`` the tensor's position in ``meta["tensors"]``: part ``data`` (none,
@@ -47,6 +53,7 @@ if TYPE_CHECKING:
 
 FORMAT = 1
 Codec = Literal["none", "float16", "bfloat16", "int8", "topk"]
+Downlink = Literal["none", "bfloat16"]
 ResidualDtype = Literal["float32", "bfloat16", "float16", "int8"]
 COMPRESSED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 INT8_LEVELS = 127
@@ -73,6 +80,10 @@ class CompressionSpec(BaseModel):
     )
     residual: ResidualDtype = Field(
         "float32", description="topk with error feedback: the residual's dtype as it travels"
+    )
+    downlink: Downlink = Field(
+        "none", description="the global model as learners fetch it: none (exact) or bfloat16 (half the "
+        "bytes of float32; each value within 2**-8 of its magnitude; the learners train from it)"
     )
 
     @model_validator(mode="after")
@@ -114,6 +125,33 @@ class Encoded:
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
     residual: dict[str, torch.Tensor] | None
+
+
+def downlinked(weights: Mapping[str, torch.Tensor], downlink: Downlink) -> dict[str, torch.Tensor]:
+    """The model as it goes down to learners: float32 and float64 tensors rounded to `downlink`'s
+    dtype (none: the same tensors), every other tensor as it is."""
+    import torch
+
+    if downlink == "none":
+        return dict(weights)
+    return {name: t.to(torch.bfloat16) if t.dtype in (torch.float32, torch.float64) else t
+            for name, t in weights.items()}
+
+
+def widened(weights: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A downlinked model back in the dtypes of `like` (the learner's model): the rounded values,
+    exactly, in each tensor's own dtype."""
+    return {name: t.to(like[name].dtype) if name in like and t.dtype != like[name].dtype else t
+            for name, t in weights.items()}
+
+
+def downlink_bytes(weights: Mapping[str, torch.Tensor], downlink: Downlink) -> int:
+    """Tensor data bytes of the model as one learner receives it."""
+    import torch
+
+    narrow = downlink != "none"
+    return sum(t.numel() * (2 if narrow and t.dtype in (torch.float32, torch.float64) else t.element_size())
+               for t in weights.values())
 
 
 def topk_count(numel: int, fraction: float) -> int:

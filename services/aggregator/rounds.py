@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from fedmq.common.checkpoint import save_model
+from fedmq.common.codec.compress import downlink_bytes
 from fedmq.common.codec.updates import RestoredWeights, Without, check_no_prefix, residual_entries
 from fedmq.common.jobspec import canonical_json
 from fedmq.common.messages import CLIENT_METRICS_MAX, FailedClient, RoundClosed
@@ -171,7 +172,10 @@ def closed_message(
 ) -> RoundClosed:
     """The round's RoundClosed before its commit: clients, examples and the metrics of its fold."""
     metrics = dict(folded.metrics)
-    metrics["transport"] = {"update_bytes": float(update_bytes), "state_bytes": float(state_bytes)}
+    # model_bytes: the global model as one learner receives it (half, for float32, with downlink bfloat16)
+    model_bytes = downlink_bytes(job.weights, job.spec.compression.downlink)
+    metrics["transport"] = {"update_bytes": float(update_bytes), "state_bytes": float(state_bytes),
+                            "model_bytes": float(model_bytes)}
     return RoundClosed(
         job_id=job.job_id,
         round=server_round,

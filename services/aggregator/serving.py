@@ -14,6 +14,7 @@ from pathlib import Path
 import structlog
 
 from fedmq.common.bus.base import Body, Bus, Delivery
+from fedmq.common.codec.compress import Downlink, downlinked
 from fedmq.common.errors import DecodeError, ValidationError
 from fedmq.common.messages import (
     ClientStateGet,
@@ -50,7 +51,7 @@ class ModelServer:
         self.senders = senders  # role → broker users (Settings.role_users)
         self.users_of_sites = users_of_sites or {}  # a site's state goes to its own users only
         self.ddp_root = ddp_root  # DDP jobs' checkpoints and models: stores with no round loop
-        self._cache: dict[str, tuple[str, bytes]] = {}  # job → (digest, reply) of its current model
+        self._cache: dict[str, tuple[str, str, bytes]] = {}  # job → (digest, downlink, reply) of its model
 
     def on_model_get(self, delivery: Delivery) -> None:
         try:
@@ -75,9 +76,9 @@ class ModelServer:
         if job is None:
             return self._ddp_reply(req)
         if req.digest == job.digest:
-            return self._current(job)
+            return self._current(job, req.downlink)
         if job.store.find_weights(req.digest) is not None:
-            weights = job.store.load_weights(req.digest)
+            weights = downlinked(job.store.load_weights(req.digest), req.downlink)
             return to_wire_parts(ModelReply(job_id=req.job_id, digest=req.digest, weights=weights))
         return to_wire(ModelReply(job_id=req.job_id, digest=req.digest, error="unknown model"))
 
@@ -121,17 +122,19 @@ class ModelServer:
         """The job's model changed: drop the reply kept for the old one."""
         self._cache.pop(job_id, None)
 
-    def _current(self, job: AggJob) -> Body:
-        """The reply for the job's current model, encoded once per round while it is small; a large
-        one in parts viewing the model, sent before this (the loop) thread can change the model."""
+    def _current(self, job: AggJob, downlink: Downlink) -> Body:
+        """The reply for the job's current model (rounded as `downlink` says), encoded once per round
+        while it is small; a large one in parts viewing the model (or its rounded copy), sent before
+        this (the loop) thread can change the model."""
         cached = self._cache.get(job.job_id)
-        if cached is not None and cached[0] == job.digest:
-            return cached[1]
-        parts = to_wire_parts(ModelReply(job_id=job.job_id, digest=job.digest, weights=dict(job.weights)))
+        if cached is not None and cached[:2] == (job.digest, downlink):
+            return cached[2]
+        weights = downlinked(job.weights, downlink)
+        parts = to_wire_parts(ModelReply(job_id=job.job_id, digest=job.digest, weights=weights))
         if parts.size > REPLY_CACHE_BYTES:
             return parts
         body = parts.join()
-        self._cache[job.job_id] = (job.digest, body)
+        self._cache[job.job_id] = (job.digest, downlink, body)
         return body
 
 

@@ -27,6 +27,7 @@ import torch
 
 from fedmq.common.allowlist import AllowList
 from fedmq.common.codec import state_digest
+from fedmq.common.codec.compress import Downlink, downlink_bytes, downlinked
 from fedmq.common.codec.updates import residual_entries
 from fedmq.common.errors import FedmqError, ValidationError
 from fedmq.common.jobspec import JobSpec, canonical_json
@@ -344,8 +345,7 @@ class Engine:
                 _add(sync, "train_seconds", outcome.train_seconds)
                 _add(sync, "bytes_up", float(_payload([outcome])))  # by reference here: what it holds
         if updates and "bytes_down" not in sync:  # one learner: the round's model once, by reference
-            model = sum(t.numel() * t.element_size() for t in self.job.weights.values())
-            _add(sync, "bytes_down", float(model))
+            _add(sync, "bytes_down", float(downlink_bytes(self.job.weights, self.spec.compression.downlink)))
 
     def _say_unfused(self, task: TrainTask) -> None:
         """Once a job: its clients train one at a time, though it did not ask for that, and why."""
@@ -519,9 +519,12 @@ class Engine:
 
     # -- what the learner's Work asks for --------------------------------------------------
 
-    def _fetch(self, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
-        """The global model, by reference: no bytes move."""
-        return self.job.weights, 0
+    def _fetch(self, job_id: str, digest: str, downlink: Downlink) -> tuple[Mapping[str, torch.Tensor], int]:
+        """The global model, by reference: no bytes move (rounded as compression.downlink says, as a
+        learner receives it; the Work widens it back)."""
+        if downlink == "none":
+            return self.job.weights, 0
+        return downlinked(self.job.weights, downlink), 0
 
     def _client_state(self, job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
         """A client's stored state for a round, as the aggregator serves it (strategy's and residual)."""

@@ -35,6 +35,7 @@ from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body, Bus, Delivery
 from fedmq.common.codec import TensorFile, state_digest
+from fedmq.common.codec.compress import Downlink
 from fedmq.common.errors import BrokerUnavailable, FedmqError
 from fedmq.common.groups import group_of, groupable
 from fedmq.common.heap import large_buffers_unmapped
@@ -386,15 +387,19 @@ class LearnerService:
         weights, size = self._fetch_model(job_id, digest, to_file=False)
         return dict(weights), size
 
-    def _fetch_large(self, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
+    def _fetch_large(
+        self, job_id: str, digest: str, downlink: Downlink = "none"
+    ) -> tuple[Mapping[str, torch.Tensor], int]:
         """As `_fetch`; a model that came in chunks stays in a file of `self.models` (a TensorFile:
         read a tensor at a time), which the work cache deletes when it drops the model.
 
         With FEDMQ_SHARED_MODELS_DIR, a model another learner of this host fetched is read from
         there (0 bytes over the bus), and one fetched here is shared there; one learner at a time
-        fetches a model, the others wait for it."""
-        if self.shared is None or not self.shared.shares(digest) or job_id in self.shared.small:
-            return self._fetch_model(job_id, digest, to_file=True)
+        fetches a model, the others wait for it. A rounded model (compression.downlink) is not
+        shared: its tensors no longer hash to the digest that would vouch for a neighbour's file."""
+        if (self.shared is None or downlink != "none" or not self.shared.shares(digest)
+                or job_id in self.shared.small):
+            return self._fetch_model(job_id, digest, to_file=True, downlink=downlink)
         refused: tuple[int, ...] | None = None  # the shared file found not to be that model
         for _ in range(2):
             with self.shared.turn(digest):  # one learner of the host fetches it; the others wait, link it
@@ -421,12 +426,12 @@ class LearnerService:
         return self._fetch_model(job_id, digest, to_file=True)  # refused twice: fetched for itself
 
     def _fetch_model(
-        self, job_id: str, digest: str, to_file: bool, share: bool = False
+        self, job_id: str, digest: str, to_file: bool, share: bool = False, downlink: Downlink = "none"
     ) -> tuple[Mapping[str, torch.Tensor], int]:
-        """The model over the bus and its size; `share`: one that came in chunks (a file) is shared
-        with this host's other learners first, and a job whose model came whole is remembered as
-        having nothing to share."""
-        request = to_wire(ModelGet(job_id=job_id, digest=digest))
+        """The model over the bus (rounded as `downlink` says) and its size; `share`: one that came
+        in chunks (a file) is shared with this host's other learners first, and a job whose model
+        came whole is remembered as having nothing to share."""
+        request = to_wire(ModelGet(job_id=job_id, digest=digest, downlink=downlink))
         timeout = self.settings.request_timeout_s
         try:
             if to_file:

@@ -28,7 +28,7 @@ from torch import nn
 
 from fedmq.common.allowlist import AllowList, CodeNotAllowed
 from fedmq.common.codec import TensorFile
-from fedmq.common.codec.compress import CompressionSpec, Residual
+from fedmq.common.codec.compress import CompressionSpec, Downlink, Residual, widened
 from fedmq.common.codec.updates import (
     check_no_prefix,
     compress_update,
@@ -65,8 +65,9 @@ MODEL_CACHE = 2  # the current round's weights, and the previous one for straggl
 LOAD_BYTES = 64 * 1024 * 1024  # a model kept in a file loads this much at a time (each load walks the model)
 JOB_CACHE = 4  # jobs whose Task and model a learner keeps between tasks
 
-# (job id, digest) -> (weights, bytes): a dict, or a large model's file read a tensor at a time
-Fetch = Callable[[str, str], tuple[Mapping[str, torch.Tensor], int]]
+# (job id, digest, downlink) -> (weights, bytes): a dict, or a large model's file read a tensor at a
+# time; rounded on the wire as the job's compression.downlink says (widened back by the Work)
+Fetch = Callable[[str, str, Downlink], tuple[Mapping[str, torch.Tensor], int]]
 FetchState = Callable[[str, int, int], dict[str, torch.Tensor]]  # (job id, round, client) -> its state
 RANDOM_KEY = (
     "train.dp_sgd's noise comes from a random key of this process: set FEDMQ_DP_KEY, the same on every "
@@ -350,7 +351,7 @@ class Work:
         them (a publish that timed out goes on) when this learner trains its next task."""
         job = self._job(task.job_id, task.spec)
         started = time.perf_counter()
-        weights, fetch_bytes = self._weights(task.job_id, task.model_digest)
+        weights, fetch_bytes = self._weights(job, task.job_id, task.model_digest)
         stored = self._kept_state(task) if task.config.get(CLIENT_STATE) else {}
         client_state, residual = split_residual(stored)  # the strategy's, and compression's own
         fetched = time.perf_counter()
@@ -443,7 +444,7 @@ class Work:
         # load every client of every round again (100 digits clients a round: 64 cached, none hit).
         self.data.limit = max(self.data.limit, min(len(tasks), self.settings.fuse_clients))
         started = time.perf_counter()
-        weights, fetch_bytes = self._weights(first.job_id, first.model_digest)
+        weights, fetch_bytes = self._weights(job, first.job_id, first.model_digest)
         fetched = time.perf_counter()
         job.load(weights, first.round, first.client, first.model_digest)
         out: list[ClientUpdate | Exception | None] = [None] * len(tasks)
@@ -540,7 +541,7 @@ class Work:
     def evaluate(self, task: EvalTask) -> EvalReport:
         job = self._job(task.job_id, task.spec)
         started = time.perf_counter()
-        weights, fetch_bytes = self._weights(task.job_id, task.model_digest)
+        weights, fetch_bytes = self._weights(job, task.job_id, task.model_digest)
         fetch_seconds = time.perf_counter() - started
         data = self._client_data(job, task.job_id, task.client)
         job.load(weights, task.round, task.client, task.model_digest)
@@ -623,17 +624,23 @@ class Work:
         data_dir = self.settings.data_dir
         return self.data.get(job_id, client, lambda: job.runtime.load_data(client, data_dir))
 
-    def _weights(self, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
-        """The round's global model, and the bytes it took: from the cache by digest (0), else fetched."""
-        weights = self._models.get(digest)
+    def _weights(self, job: JobContext, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
+        """The round's global model, and the bytes it took: from the cache by digest (0), else fetched
+        (with compression.downlink, rounded on the wire and widened back to the model's dtypes here)."""
+        downlink = job.spec.compression.downlink
+        key = digest if downlink == "none" else f"{digest}/{downlink}"  # two jobs may share a model
+        weights = self._models.get(key)
         if weights is not None:
-            self._models.move_to_end(digest)
+            self._models.move_to_end(key)
             return weights, 0
-        weights, size = self.fetch(job_id, digest)
+        weights, size = self.fetch(job_id, digest, downlink)
+        if downlink != "none":
+            rounded, weights = weights, widened(weights, job.model.state_dict())
+            _drop(rounded)  # a large one's file, read whole now
         if size:  # over the bus (0: by reference, or from the folder the host's learners share)
             self.fetches += 1
             self.metrics.model_fetches.inc()
-        self._models[digest] = weights
+        self._models[key] = weights
         while len(self._models) > MODEL_CACHE:
             _drop(self._models.popitem(last=False)[1])
         return weights, size

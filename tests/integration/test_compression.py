@@ -267,3 +267,28 @@ def test_a_compressed_job_gives_the_same_weights_on_rabbitmq_as_embedded(
                          idle_timeout=60)
     assert result["status"] == "completed", result.get("reason")
     assert_bit_identical(load_state(result["model_path"])[0], embedded_runs.weights(spec))
+
+
+def test_a_bfloat16_downlink_halves_the_model_learners_fetch_and_is_the_engines_run_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    from fedmq.services.engine.run import run_job as run_engine
+
+    spec = small_job(compression={"downlink": "bfloat16"}, rounds=3)
+    exact = small_job(rounds=3)
+    engine = run_engine(spec, Settings(state_dir=tmp_path / "engine", torch_threads=1))
+    services = run_job(spec, Settings(state_dir=tmp_path / "services", torch_threads=1), idle_timeout=120)
+    plain = run_engine(exact, Settings(state_dir=tmp_path / "exact", torch_threads=1))
+    whole = run_job(exact, Settings(state_dir=tmp_path / "whole", torch_threads=1), idle_timeout=120)
+    assert engine["status"] == services["status"] == plain["status"] == whole["status"] == "completed"
+    assert_bit_identical(load_state(services["model_path"])[0], load_state(engine["model_path"])[0])
+    assert [h["model_digest"] for h in services["history"]] == [h["model_digest"] for h in engine["history"]]
+    rounded, full = load_state(engine["model_path"])[0], load_state(plain["model_path"])[0]
+    assert any(not torch.equal(rounded[n], full[n]) for n in full), "learners trained from the rounded model"
+    for record, exact_record in zip(engine["history"][1:], plain["history"][1:], strict=True):
+        model_bytes = record["metrics"]["transport"]["model_bytes"]
+        assert model_bytes * 2 == exact_record["metrics"]["transport"]["model_bytes"]
+    assert abs(engine["final"]["server.accuracy"] - plain["final"]["server.accuracy"]) <= 0.02
+    down = [h["sync"]["bytes_down"] / w["sync"]["bytes_down"]
+            for h, w in zip(services["history"][1:], whole["history"][1:], strict=True)]
+    assert all(0.45 < ratio < 0.6 for ratio in down), down  # half the tensor bytes, and the framing

@@ -22,7 +22,7 @@ from fedmq.common.codec import TensorFile
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
 from fedmq.services.learner import service as learner_service
-from fedmq.services.learner.work import MODEL_CACHE, Work
+from fedmq.services.learner.work import MODEL_CACHE, JobContext, Work
 from tests.conftest import EmbeddedRuns, assert_bit_identical, small_job
 from tests.rabbit import fresh_vhost
 
@@ -39,8 +39,10 @@ def test_a_large_model_trains_from_its_file_to_the_in_memory_bits(
     kept: list[int] = []  # model files in the learner's folder then
     weights_of = Work._weights
 
-    def recording(self: Work, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
-        weights, size = weights_of(self, job_id, digest)
+    def recording(
+        self: Work, job: JobContext, job_id: str, digest: str
+    ) -> tuple[Mapping[str, torch.Tensor], int]:
+        weights, size = weights_of(self, job, job_id, digest)
         cached.append((type(weights), isinstance(weights, TensorFile) and Path(weights.path).exists()))
         if isinstance(weights, TensorFile):
             kept.append(len(list(Path(weights.path).parent.glob("*.msg"))))

@@ -94,3 +94,22 @@ def test_a_model_that_comes_whole_is_not_shared_nor_waited_for(
     assert_bit_identical(load_state(result["model_path"])[0], embedded_runs.weights(spec))
     assert list(shared.glob("*.msg")) == [], "nothing to share"
     assert len(turns) <= 2, "each learner waits its turn once a job, to learn its models come whole"
+
+
+def test_a_rounded_downlink_over_rabbitmq_is_the_engines_run_and_is_not_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, embedded_runs: EmbeddedRuns
+) -> None:
+    spec = small_job(task__options__model__hidden=[512], clients__total=4, rounds=2,
+                     compression={"downlink": "bfloat16"})
+    expected = embedded_runs.weights(spec)
+    monkeypatch.setattr(messages, "SMALL_FILE", 1024)  # the rounded model comes in chunks, to a file
+    monkeypatch.setattr(learner_service, "large_buffers_unmapped", lambda: None)
+    shared = tmp_path / "shared"
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path / "state", log_format="json",
+                            frame_bytes=64 * 1024, shared_models_dir=shared)
+        result = run_job(spec, settings, learners=2, connect=lambda name: RabbitBus(settings, name),
+                         idle_timeout=60)
+    assert result["status"] == "completed", result
+    assert_bit_identical(load_state(result["model_path"])[0], expected)
+    assert list(shared.glob("*.msg")) == [], "a rounded model is not the digest's: never shared"

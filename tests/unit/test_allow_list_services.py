@@ -97,7 +97,7 @@ def test_the_aggregator_refuses_a_job_create_that_bypassed_the_scheduler(
 def test_a_learner_refuses_a_task_that_bypassed_the_scheduler(
     default_list: Settings, where: str, ref: str, what: str
 ) -> None:
-    def fetch(job_id: str, digest: str) -> Any:
+    def fetch(job_id: str, digest: str, downlink: str) -> Any:
         raise AssertionError("a refused task fetches no model")
 
     metrics = Metrics()

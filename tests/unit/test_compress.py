@@ -20,9 +20,12 @@ from fedmq.common.codec.compress import (
     Encoded,
     decode,
     dequantize_residual,
+    downlink_bytes,
+    downlinked,
     encode,
     encoded_nbytes,
     quantize_residual,
+    widened,
 )
 from fedmq.common.errors import DecodeError, ValidationError
 from tests.unit.codec_support import REPO_ROOT, assert_same_tensor
@@ -503,3 +506,38 @@ def test_the_unmodified_payloads_used_above_decode() -> None:
     for spec in {h[1] for h in HOSTILE}:
         encoded = good(spec)
         assert decode(encoded.tensors, encoded.meta, MODEL).keys() == {"w", "n"}
+
+
+
+def test_a_bfloat16_downlink_rounds_each_float_to_nearest_within_its_documented_bound() -> None:
+    g = torch.Generator().manual_seed(5)
+    model = {
+        "w": torch.randn(64, 33, generator=g) * torch.logspace(-30, 30, 33),  # float32's whole range
+        "d": torch.randn(17, generator=g, dtype=torch.float64),
+        "half": torch.randn(9, generator=g).half(),
+        "steps": torch.tensor(7),
+    }
+    down = downlinked(model, "bfloat16")
+    assert down["w"].dtype == down["d"].dtype == torch.bfloat16
+    assert down["half"] is model["half"] and down["steps"] is model["steps"], "other tensors as they are"
+    back = widened(down, model)
+    assert {n: t.dtype for n, t in back.items()} == {n: t.dtype for n, t in model.items()}
+    for name in ("w", "d"):
+        x, y = model[name].double(), back[name].double()
+        assert torch.all((x - y).abs() <= 2.0**-8 * x.abs()), name  # the bound the docs give
+        assert torch.isfinite(y).all(), "float32's range kept: nothing overflows"
+        # Round to nearest: neither bfloat16 neighbour of the value sent is closer.
+        bits = down[name].view(torch.int16)
+        for step in (1, -1):
+            neighbour = (bits + step).view(torch.bfloat16).double()
+            assert torch.all((x - y).abs() <= (x - neighbour).abs()), (name, step)
+    assert downlinked(model, "none") == model
+    assert downlink_bytes(model, "bfloat16") == 2 * (64 * 33 + 17) + 9 * 2 + 8
+    assert downlink_bytes(model, "none") == 4 * 64 * 33 + 8 * 17 + 9 * 2 + 8
+
+
+def test_downlink_is_a_compression_option_beside_any_codec() -> None:
+    assert CompressionSpec.model_validate({"downlink": "bfloat16"}).codec == "none"
+    assert CompressionSpec.model_validate({"codec": "int8", "downlink": "bfloat16"}).downlink == "bfloat16"
+    with pytest.raises(pydantic.ValidationError, match="downlink"):
+        CompressionSpec.model_validate({"downlink": "float16"})

@@ -75,7 +75,7 @@ def test_a_fused_chunk_after_one_trained_alone_starts_from_the_global_model(
 
         monkeypatch.setattr(TaskRuntime, "train_group", train_group)
         work = Work(Settings(state_dir=tmp_path), "learner-0",
-                    lambda job_id, digest: (dict(global_weights), 0), Metrics())
+                    lambda job_id, digest, downlink: (dict(global_weights), 0), Metrics())
         monkeypatch.setattr(work, "group_limit", lambda job: 2)
         out = work.train_group(tasks)
         assert calls == [2, 2]

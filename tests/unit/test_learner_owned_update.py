@@ -23,7 +23,8 @@ from tests.conftest import small_job
 def test_an_update_in_its_owned_parts_does_not_change_when_the_next_client_trains(tmp_path: Path) -> None:
     spec = small_job()
     start = TaskRuntime.for_job(spec).build_model().state_dict()
-    work = Work(Settings(state_dir=tmp_path), "learner-0", lambda job, digest: (dict(start), 0), Metrics())
+    work = Work(Settings(state_dir=tmp_path), "learner-0", lambda job, digest, downlink: (dict(start), 0),
+                Metrics())
     tasks = [TrainTask(job_id="j", task_id=f"j:1:{c}", round=1, client=c, model_digest="d",
                        spec=spec.model_dump(mode="json")) for c in range(2)]
     job = work._job("j", tasks[0].spec)

@@ -165,8 +165,8 @@ def test_a_learner_uses_its_copy_only_for_the_training_the_task_names(tmp_path: 
         return {}
 
     metrics = Metrics()
-    work = Work(Settings(state_dir=tmp_path), "learner-0", lambda job, digest: (dict(start), 0), metrics,
-                fetch_state)
+    work = Work(Settings(state_dir=tmp_path), "learner-0", lambda job, digest, downlink: (dict(start), 0),
+                metrics, fetch_state)
 
     def task(server_round: int, state_from: int, tag: str = "") -> TrainTask:
         return TrainTask(job_id="j", task_id=f"j:{server_round}:0", round=server_round, client=0,
