@@ -25,7 +25,9 @@ Downlink (`downlink: bfloat16`): the global model a learner fetches has its floa
 tensors rounded to bfloat16 on the wire (round to nearest even: each value within 2**-8 of its own
 magnitude, float32's range kept, so nothing overflows) and widened back on arrival; the learner
 trains from those values, in the engine as on the services. The aggregator keeps and folds the
-exact model; a delta an update sends is the trained weights minus the rounded model.
+exact model, and counts every update as that model plus what its client changed: a delta is the
+trained weights minus the rounded model, and weights sent whole get the rounding error back
+(codec.updates.Rebased), so no strategy sees it as part of a client's update.
 
 The encoded form is a flat ``{key: tensor}`` map for the msgpack tensor codec plus plain
 metadata: ``{"format": 1, "codec": name, "tensors": [[name, dtype, shape], ...]}``. Keys are
@@ -136,6 +138,16 @@ def downlinked(weights: Mapping[str, torch.Tensor], downlink: Downlink) -> dict[
         return dict(weights)
     return {name: t.to(torch.bfloat16) if t.dtype in (torch.float32, torch.float64) else t
             for name, t in weights.items()}
+
+
+def rounding_error(exact: torch.Tensor, downlink: Downlink) -> torch.Tensor | None:
+    """What the downlink's rounding took from a tensor of the exact model (exact minus its rounded
+    value, in its own dtype: exactly representable, the two being so close); None if not rounded."""
+    import torch
+
+    if downlink == "none" or exact.dtype not in (torch.float32, torch.float64):
+        return None
+    return exact - exact.to(torch.bfloat16).to(exact.dtype)
 
 
 def widened(weights: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,11 +17,12 @@ common/task/state.py), kept the same way. Tensors in, tensors out: no I/O.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fedmq.common.codec.compress import (
     COMPRESSED_DTYPES,
     CompressionSpec,
+    Downlink,
     Encoded,
     Residual,
     declared,
@@ -29,6 +30,7 @@ from fedmq.common.codec.compress import (
     dequantize_residual,
     encode,
     quantize_residual,
+    rounding_error,
 )
 from fedmq.common.errors import DecodeError
 
@@ -118,6 +120,34 @@ class RestoredWeights(Mapping[str, "torch.Tensor"]):
 
     def __len__(self) -> int:
         return len(self._index)
+
+
+class Rebased(Mapping[str, "torch.Tensor"]):
+    """Weights a learner sent whole after training from the rounded global model (compression.
+    downlink), each with what the rounding took from the exact model added back when looked up:
+    the exact model plus what the client changed, as a delta-coded update restores to. Without it
+    a strategy would take each round's rounding error for part of every client's update (an adaptive
+    server optimizer, normalizing per coordinate, would step on it)."""
+
+    owned_reads: ClassVar[bool] = True  # every lookup is a new tensor
+
+    def __init__(
+        self, weights: Mapping[str, torch.Tensor], exact: Mapping[str, torch.Tensor], downlink: Downlink
+    ) -> None:
+        self._weights = weights
+        self._exact = exact
+        self._downlink = downlink
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        weights = self._weights[name]
+        error = rounding_error(self._exact[name], self._downlink) if name in self._exact else None
+        return weights if error is None else weights + error
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
 
 
 def split_residual(tensors: Mapping[str, Any]) -> tuple[dict[str, Any], Residual]:

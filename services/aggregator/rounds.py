@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from fedmq.common.checkpoint import save_model
-from fedmq.common.codec.compress import downlink_bytes
-from fedmq.common.codec.updates import RestoredWeights, Without, check_no_prefix, residual_entries
+from fedmq.common.codec.compress import Downlink, downlink_bytes
+from fedmq.common.codec.updates import Rebased, RestoredWeights, Without, check_no_prefix, residual_entries
 from fedmq.common.jobspec import canonical_json
 from fedmq.common.messages import CLIENT_METRICS_MAX, FailedClient, RoundClosed
 from fedmq.common.strategy.checks import check_config, check_finite, check_tensor_map
@@ -62,7 +62,8 @@ def close_round(
 ) -> RoundClosed:
     """Fold the clients' stored updates into the job's model with its strategy, then commit it."""
     started = time.perf_counter()
-    results = client_results(job.store, server_round, clients, job.weights, clip_norm(job))
+    results = client_results(job.store, server_round, clients, job.weights, clip_norm(job),
+                             job.spec.compression.downlink)
     folded = fold(job, server_round, results, failed)
     residuals, state_bytes = write_residuals(job, server_round, [r.client for r in results])
     update_bytes = sum(job.store.update_size(server_round, r.client) for r in results)
@@ -396,7 +397,7 @@ def train_metrics(results: list[ClientResult], rules: dict[str, str]) -> dict[st
 
 def client_results(
     store: JobStore, server_round: int, clients: list[int], current: Mapping[str, torch.Tensor],
-    clip: float | None = None,
+    clip: float | None = None, downlink: Downlink = "none",
 ) -> list[ClientResult]:
     """The round's stored updates for `clients`, in client order, weights read lazily from disk.
 
@@ -411,7 +412,7 @@ def client_results(
         meta = stored.fields.get("compression")
         out.append(client_result(
             client, int(stored.fields["num_examples"]), dict(stored.fields.get("metrics", {})),
-            restored(current, stored, stored.maps.get("delta", {}), meta, clip),
+            restored(current, stored, stored.maps.get("delta", {}), meta, clip, downlink),
             stored.maps.get("extras", {}),
         ))
     return out
@@ -420,10 +421,16 @@ def client_results(
 def restored(
     current: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor],
     delta: Mapping[str, torch.Tensor], meta: Mapping[str, object] | None, clip: float | None,
+    downlink: Downlink = "none",
 ) -> Mapping[str, torch.Tensor]:
     """An update's full weights as the strategy sees them: sent whole, or `current` plus its decoded
-    delta (read one tensor per lookup), the delta scaled down to `clip` when it is longer."""
-    full: Mapping[str, torch.Tensor] = weights if meta is None else RestoredWeights(current, delta, meta)
+    delta (read one tensor per lookup), the delta scaled down to `clip` when it is longer. Whole
+    weights trained from a rounded model (`downlink`) get the rounding error back (Rebased)."""
+    full: Mapping[str, torch.Tensor]
+    if meta is not None:
+        full = RestoredWeights(current, delta, meta)
+    else:
+        full = weights if downlink == "none" else Rebased(weights, current, downlink)
     if clip is not None:
         norm = delta_norm(full, current)
         if norm > clip:

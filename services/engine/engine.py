@@ -381,7 +381,8 @@ class Engine:
         clip = clip_norm(job)
         results = [
             client_result(client, update.num_examples, update.metrics,
-                          restored(job.weights, update.weights, update.delta, update.compression, clip),
+                          restored(job.weights, update.weights, update.delta, update.compression, clip,
+                                   self.spec.compression.downlink),
                           update.extras)
             for client, update in sorted(updates.items())
         ]

@@ -292,3 +292,19 @@ def test_a_bfloat16_downlink_halves_the_model_learners_fetch_and_is_the_engines_
     down = [h["sync"]["bytes_down"] / w["sync"]["bytes_down"]
             for h, w in zip(services["history"][1:], whole["history"][1:], strict=True)]
     assert all(0.45 < ratio < 0.6 for ratio in down), down  # half the tensor bytes, and the framing
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_the_downlinks_rounding_is_never_taken_for_a_clients_update(tmp_path: Path, codec: str) -> None:
+    """Clients that change nothing (a step too small to move any float32) give back exactly the
+    exact global model, whether they send weights whole or a delta: the run ends with the bits of
+    the same run without the downlink, not with a model pulled toward its rounded copy."""
+    from fedmq.services.engine.run import run_job as run_engine
+
+    runs = {}
+    for downlink in ("none", "bfloat16"):
+        spec = small_job(rounds=3, train__lr=1e-30, compression={"codec": codec, "downlink": downlink})
+        result = run_engine(spec, Settings(state_dir=tmp_path / downlink, torch_threads=1))
+        assert result["status"] == "completed", result
+        runs[downlink] = load_state(result["model_path"])[0]
+    assert_bit_identical(runs["bfloat16"], runs["none"])
