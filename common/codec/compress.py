@@ -21,9 +21,9 @@ or ``int8`` with the per-tensor scale above. quantize_residual is that Q: the le
 Q(delta + residual_t - decoded) and gets exactly that back next round, dequantized, as
 residual_{t+1}, so learner and aggregator agree bit for bit.
 
-Downlink (`downlink: bfloat16`): the global model a learner fetches has its float32 and float64
-tensors rounded to bfloat16 on the wire (round to nearest even: each value within 2**-8 of its own
-magnitude, float32's range kept, so nothing overflows) and widened back on arrival; the learner
+Downlink (`downlink: bfloat16`): the global model a learner fetches has its float32 tensors rounded
+to bfloat16 on the wire (round to nearest even: each value within 2**-8 of its own magnitude, for
+normal values; float32's range kept, so nothing overflows) and widened back on arrival; the learner
 trains from those values, in the engine as on the services. The aggregator keeps and folds the
 exact model, and counts every update as that model plus what its client changed: a delta is the
 trained weights minus the rounded model, and weights sent whole get the rounding error back
@@ -84,8 +84,8 @@ class CompressionSpec(BaseModel):
         "float32", description="topk with error feedback: the residual's dtype as it travels"
     )
     downlink: Downlink = Field(
-        "none", description="the global model as learners fetch it: none (exact) or bfloat16 (half the "
-        "bytes of float32; each value within 2**-8 of its magnitude; the learners train from it)"
+        "none", description="the global model as learners fetch it: none (exact) or bfloat16 (its float32 "
+        "tensors in half the bytes, each value within 2**-8 of its magnitude; the learners train from it)"
     )
 
     @model_validator(mode="after")
@@ -130,31 +130,36 @@ class Encoded:
 
 
 def downlinked(weights: Mapping[str, torch.Tensor], downlink: Downlink) -> dict[str, torch.Tensor]:
-    """The model as it goes down to learners: float32 and float64 tensors rounded to `downlink`'s
-    dtype (none: the same tensors), every other tensor as it is."""
+    """The model as it goes down to learners: float32 tensors rounded to `downlink`'s dtype (none:
+    the same tensors), every other tensor as it is (float64's range and precision are not
+    bfloat16's to round: they go exact)."""
     import torch
 
     if downlink == "none":
         return dict(weights)
-    return {name: t.to(torch.bfloat16) if t.dtype in (torch.float32, torch.float64) else t
-            for name, t in weights.items()}
+    return {name: t.to(torch.bfloat16) if t.dtype == torch.float32 else t for name, t in weights.items()}
 
 
 def rounding_error(exact: torch.Tensor, downlink: Downlink) -> torch.Tensor | None:
     """What the downlink's rounding took from a tensor of the exact model (exact minus its rounded
-    value, in its own dtype: exactly representable, the two being so close); None if not rounded."""
+    value: exactly representable in float32, the two being so close); None if not rounded."""
     import torch
 
-    if downlink == "none" or exact.dtype not in (torch.float32, torch.float64):
+    if downlink == "none" or exact.dtype != torch.float32:
         return None
-    return exact - exact.to(torch.bfloat16).to(exact.dtype)
+    return exact - exact.to(torch.bfloat16).float()
 
 
 def widened(weights: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A downlinked model back in the dtypes of `like` (the learner's model): the rounded values,
-    exactly, in each tensor's own dtype."""
-    return {name: t.to(like[name].dtype) if name in like and t.dtype != like[name].dtype else t
-            for name, t in weights.items()}
+    """A downlinked model back in float32 where `like` (the learner's model) is: the rounded values,
+    exactly. Any other tensor as it came, for the model's own checks (a dtype that does not match
+    is refused there, as without a downlink)."""
+    import torch
+
+    def back(name: str, t: torch.Tensor) -> torch.Tensor:
+        return t.float() if t.dtype == torch.bfloat16 and like.get(name, t).dtype == torch.float32 else t
+
+    return {name: back(name, t) for name, t in weights.items()}
 
 
 def downlink_bytes(weights: Mapping[str, torch.Tensor], downlink: Downlink) -> int:
@@ -162,7 +167,7 @@ def downlink_bytes(weights: Mapping[str, torch.Tensor], downlink: Downlink) -> i
     import torch
 
     narrow = downlink != "none"
-    return sum(t.numel() * (2 if narrow and t.dtype in (torch.float32, torch.float64) else t.element_size())
+    return sum(t.numel() * (2 if narrow and t.dtype == torch.float32 else t.element_size())
                for t in weights.values())
 
 

@@ -17,7 +17,7 @@ common/task/state.py), kept the same way. Tensors in, tensors out: no I/O.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from fedmq.common.codec.compress import (
     COMPRESSED_DTYPES,
@@ -129,19 +129,23 @@ class Rebased(Mapping[str, "torch.Tensor"]):
     a strategy would take each round's rounding error for part of every client's update (an adaptive
     server optimizer, normalizing per coordinate, would step on it)."""
 
-    owned_reads: ClassVar[bool] = True  # every lookup is a new tensor
-
     def __init__(
         self, weights: Mapping[str, torch.Tensor], exact: Mapping[str, torch.Tensor], downlink: Downlink
     ) -> None:
         self._weights = weights
         self._exact = exact
         self._downlink = downlink
+        # A rounded tensor's lookup is a new one; another is the update's own, the reader's to write
+        # into only when the update's lookups are (a stored update's file, read afresh).
+        self.owned_reads: bool = getattr(weights, "owned_reads", False)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         weights = self._weights[name]
         error = rounding_error(self._exact[name], self._downlink) if name in self._exact else None
         return weights if error is None else weights + error
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._weights
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._weights)

@@ -635,8 +635,11 @@ class Work:
             return weights, 0
         weights, size = self.fetch(job_id, digest, downlink)
         if downlink != "none":
-            rounded, weights = weights, widened(weights, job.model.state_dict())
-            _drop(rounded)  # a large one's file, read whole now
+            rounded = weights
+            try:
+                weights = widened(rounded, job.model.state_dict())
+            finally:
+                _drop(rounded)  # a large one's file, read whole now (or not to be read at all)
         if size:  # over the bus (0: by reference, or from the folder the host's learners share)
             self.fetches += 1
             self.metrics.model_fetches.inc()

@@ -512,17 +512,19 @@ def test_the_unmodified_payloads_used_above_decode() -> None:
 def test_a_bfloat16_downlink_rounds_each_float_to_nearest_within_its_documented_bound() -> None:
     g = torch.Generator().manual_seed(5)
     model = {
-        "w": torch.randn(64, 33, generator=g) * torch.logspace(-30, 30, 33),  # float32's whole range
+        "w": torch.randn(64, 33, generator=g) * torch.logspace(-30, 30, 33),  # float32's range, normal values
         "d": torch.randn(17, generator=g, dtype=torch.float64),
         "half": torch.randn(9, generator=g).half(),
         "steps": torch.tensor(7),
     }
     down = downlinked(model, "bfloat16")
-    assert down["w"].dtype == down["d"].dtype == torch.bfloat16
-    assert down["half"] is model["half"] and down["steps"] is model["steps"], "other tensors as they are"
+    assert down["w"].dtype == torch.bfloat16
+    assert all(down[n] is model[n] for n in ("d", "half", "steps")), "other tensors as they are, exact"
     back = widened(down, model)
     assert {n: t.dtype for n, t in back.items()} == {n: t.dtype for n, t in model.items()}
-    for name in ("w", "d"):
+    assert widened(down, {**model, "w": model["w"].half()})["w"].dtype == torch.bfloat16, (
+        "a model whose dtype is not float32 gets what came, for its own check to refuse")
+    for name in ("w",):
         x, y = model[name].double(), back[name].double()
         assert torch.all((x - y).abs() <= 2.0**-8 * x.abs()), name  # the bound the docs give
         assert torch.isfinite(y).all(), "float32's range kept: nothing overflows"
@@ -532,7 +534,7 @@ def test_a_bfloat16_downlink_rounds_each_float_to_nearest_within_its_documented_
             neighbour = (bits + step).view(torch.bfloat16).double()
             assert torch.all((x - y).abs() <= (x - neighbour).abs()), (name, step)
     assert downlinked(model, "none") == model
-    assert downlink_bytes(model, "bfloat16") == 2 * (64 * 33 + 17) + 9 * 2 + 8
+    assert downlink_bytes(model, "bfloat16") == 2 * 64 * 33 + 8 * 17 + 9 * 2 + 8
     assert downlink_bytes(model, "none") == 4 * 64 * 33 + 8 * 17 + 9 * 2 + 8
 
 

@@ -111,3 +111,18 @@ def test_retention_keeps_the_last_rounds_and_what_the_scheduler_names() -> None:
     assert retained(rounds, 4, 2, []) == {"b", "d"}
     assert retained(rounds, 4, 1, ["a"]) == {"a", "d"}
     assert retained(rounds, 4, 0, []) == {"a", "b", "c", "d"}, "0 keeps every round's"
+
+
+def test_the_norm_bound_measures_what_a_client_changed_from_the_rounded_model_it_got() -> None:
+    from fedmq.common.codec.compress import downlinked, widened
+
+    exact = {"w": torch.tensor([0.1, -0.3, 1e-3, 7.77]), "b": torch.tensor([0.123])}
+    rounded = widened(downlinked(exact, "bfloat16"), exact)
+    assert any(not torch.equal(rounded[n], exact[n]) for n in exact)
+    unchanged = update(weights=rounded)
+    check_update(unchanged, exact, compression=CompressionSpec(downlink="bfloat16"), max_norm=1e-12)
+    with pytest.raises(ValidationError, match="update_norm"):  # without a downlink, the rounding is a change
+        check_update(unchanged, exact, max_norm=1e-12)
+    moved = update(weights={n: t + 0.5 for n, t in rounded.items()})
+    with pytest.raises(ValidationError, match="update_norm"):
+        check_update(moved, exact, compression=CompressionSpec(downlink="bfloat16"), max_norm=0.9)
