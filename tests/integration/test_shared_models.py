@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from fedmq.common.allowlist import AllowList
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
 from fedmq.common.codec import state_digest
+from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import ModelReply, to_wire_parts
 from fedmq.common.settings import Settings
 from fedmq.services.aggregator.jobs import new_job
@@ -55,13 +57,7 @@ def test_learners_of_one_host_fetch_each_model_once_and_refuse_a_planted_one(
         return found
 
     monkeypatch.setattr(SharedModels, "take", recording)
-    with fresh_vhost() as url:
-        settings = Settings(broker_url=url, state_dir=tmp_path / "state", log_format="json",
-                            frame_bytes=64 * 1024, shared_models_dir=shared)
-        result = run_job(spec, settings, learners=2, connect=lambda name: RabbitBus(settings, name),
-                         idle_timeout=60)
-    assert result["status"] == "completed", result
-    assert_bit_identical(load_state(result["model_path"])[0], expected)
+    result = two_learners(spec, tmp_path, shared, expected, frame_bytes=64 * 1024)
     assert sum(result["model_fetches"]) == spec.rounds, "each round's model crossed the broker once"
     assert taken[0] is True, "the planted file was taken, checked and refused"
     assert any(taken[1:]), "the other learner read a model its neighbour fetched"
@@ -85,13 +81,7 @@ def test_a_model_that_comes_whole_is_not_shared_nor_waited_for(
 
     monkeypatch.setattr(SharedModels, "turn", counting)
     shared = tmp_path / "shared"
-    with fresh_vhost() as url:
-        settings = Settings(broker_url=url, state_dir=tmp_path / "state", log_format="json",
-                            shared_models_dir=shared)
-        result = run_job(spec, settings, learners=2, connect=lambda name: RabbitBus(settings, name),
-                         idle_timeout=60)
-    assert result["status"] == "completed", result
-    assert_bit_identical(load_state(result["model_path"])[0], embedded_runs.weights(spec))
+    two_learners(spec, tmp_path, shared, embedded_runs.weights(spec))
     assert list(shared.glob("*.msg")) == [], "nothing to share"
     assert len(turns) <= 2, "each learner waits its turn once a job, to learn its models come whole"
 
@@ -105,11 +95,19 @@ def test_a_rounded_downlink_over_rabbitmq_is_the_engines_run_and_is_not_shared(
     monkeypatch.setattr(messages, "SMALL_FILE", 1024)  # the rounded model comes in chunks, to a file
     monkeypatch.setattr(learner_service, "large_buffers_unmapped", lambda: None)
     shared = tmp_path / "shared"
+    two_learners(spec, tmp_path, shared, expected, frame_bytes=64 * 1024)
+    assert list(shared.glob("*.msg")) == [], "a rounded model is not the digest's: never shared"
+
+
+def two_learners(
+    spec: JobSpec, tmp_path: Path, shared: Path, expected: dict[str, torch.Tensor], **settings: Any
+) -> dict[str, Any]:
+    """`spec` run to its end on RabbitMQ by two learners sharing `shared`, ending with `expected`."""
     with fresh_vhost() as url:
-        settings = Settings(broker_url=url, state_dir=tmp_path / "state", log_format="json",
-                            frame_bytes=64 * 1024, shared_models_dir=shared)
-        result = run_job(spec, settings, learners=2, connect=lambda name: RabbitBus(settings, name),
+        config = Settings(broker_url=url, state_dir=tmp_path / "state", log_format="json",
+                          shared_models_dir=shared, **settings)
+        result = run_job(spec, config, learners=2, connect=lambda name: RabbitBus(config, name),
                          idle_timeout=60)
     assert result["status"] == "completed", result
     assert_bit_identical(load_state(result["model_path"])[0], expected)
-    assert list(shared.glob("*.msg")) == [], "a rounded model is not the digest's: never shared"
+    return result
