@@ -17,7 +17,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -226,7 +226,7 @@ def load_global(
             "same architecture in every process",
             round=server_round, client=client,
         )
-    if not isinstance(weights, TensorFile):
+    if not isinstance(weights, TensorFile | Widened):
         model.load_state_dict(weights)
         return
     # A large model's file: LOAD_BYTES of its tensors at a time, never all of it (the names, shapes
@@ -246,7 +246,7 @@ def load_global(
 
 def _meta(weights: Mapping[str, torch.Tensor], name: str) -> tuple[tuple[int, ...], torch.dtype]:
     """A tensor's shape and dtype; from a file's index, without reading it, when the model is a file."""
-    if isinstance(weights, TensorFile):
+    if isinstance(weights, TensorFile | Widened):
         dtype, shape = weights.meta(name)
         return tuple(shape), dtype
     return tuple(weights[name].shape), weights[name].dtype
@@ -254,8 +254,40 @@ def _meta(weights: Mapping[str, torch.Tensor], name: str) -> tuple[tuple[int, ..
 
 def _drop(weights: Mapping[str, torch.Tensor]) -> None:
     """Forget a cached model: a file's is deleted (nothing reads it any more)."""
-    if isinstance(weights, TensorFile):
+    if isinstance(weights, TensorFile | Widened):
         Path(weights.path).unlink(missing_ok=True)
+
+
+class Widened(Mapping[str, torch.Tensor]):
+    """A rounded model's file (compression.downlink) read a tensor at a time, each bfloat16 tensor
+    widened back to float32 where the learner's model has float32 (codec.compress.widened, lazily):
+    a large model stays in its file, as an exact one does."""
+
+    def __init__(self, file: TensorFile, like: Mapping[str, torch.Tensor]) -> None:
+        self.file = file
+        self._wide = {name for name in file if name in like and like[name].dtype == torch.float32
+                      and file.meta(name)[0] == torch.bfloat16}
+
+    @property
+    def path(self) -> str:
+        return self.file.path
+
+    def meta(self, name: str) -> tuple[torch.dtype, torch.Size]:
+        dtype, shape = self.file.meta(name)
+        return (torch.float32 if name in self._wide else dtype), shape
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self.file[name]
+        return tensor.float() if name in self._wide else tensor
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.file
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.file)
+
+    def __len__(self) -> int:
+        return len(self.file)
 
 
 def compressed(
@@ -634,12 +666,9 @@ class Work:
             self._models.move_to_end(key)
             return weights, 0
         weights, size = self.fetch(job_id, digest, downlink)
-        if downlink != "none":
-            rounded = weights
-            try:
-                weights = widened(rounded, job.model.state_dict())
-            finally:
-                _drop(rounded)  # a large one's file, read whole now (or not to be read at all)
+        if downlink != "none":  # a large one stays in its file, widened a tensor at a time
+            like = job.model.state_dict()
+            weights = Widened(weights, like) if isinstance(weights, TensorFile) else widened(weights, like)
         if size:  # over the bus (0: by reference, or from the folder the host's learners share)
             self.fetches += 1
             self.metrics.model_fetches.inc()

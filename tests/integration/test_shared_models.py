@@ -10,6 +10,7 @@ removed and fetched instead.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from fedmq.services.aggregator.jobs import new_job
 from fedmq.services.cli.embedded import run_job
 from fedmq.services.learner import service as learner_service
 from fedmq.services.learner.models import SharedModels
+from fedmq.services.learner.work import JobContext, Widened, Work
 from tests.conftest import EmbeddedRuns, assert_bit_identical, small_job
 from tests.rabbit import fresh_vhost
 
@@ -94,8 +96,18 @@ def test_a_rounded_downlink_over_rabbitmq_is_the_engines_run_and_is_not_shared(
     expected = embedded_runs.weights(spec)
     monkeypatch.setattr(messages, "SMALL_FILE", 1024)  # the rounded model comes in chunks, to a file
     monkeypatch.setattr(learner_service, "large_buffers_unmapped", lambda: None)
+    kinds: list[type] = []
+    weights_of = Work._weights
+
+    def recording(self: Work, job: JobContext, job_id: str, digest: str) -> tuple[Mapping[str, Any], int]:
+        weights, size = weights_of(self, job, job_id, digest)
+        kinds.append(type(weights))
+        return weights, size
+
+    monkeypatch.setattr(Work, "_weights", recording)
     shared = tmp_path / "shared"
     two_learners(spec, tmp_path, shared, expected, frame_bytes=64 * 1024)
+    assert kinds and set(kinds) == {Widened}, "the large rounded model stays in its file, widened as read"
     assert list(shared.glob("*.msg")) == [], "a rounded model is not the digest's: never shared"
 
 
