@@ -154,6 +154,14 @@ class Rebased(Mapping[str, "torch.Tensor"]):
         return len(self._weights)
 
 
+def rebased(
+    weights: Mapping[str, torch.Tensor], exact: Mapping[str, torch.Tensor], downlink: Downlink
+) -> Mapping[str, torch.Tensor]:
+    """Whole weights as the aggregator counts them: as sent, or Rebased when trained from a rounded
+    model (compression.downlink)."""
+    return weights if downlink == "none" else Rebased(weights, exact, downlink)
+
+
 def split_residual(tensors: Mapping[str, Any]) -> tuple[dict[str, Any], Residual]:
     """(the entries outside RESERVED, the residual by tensor name) of extras or client state."""
     others = {k: v for k, v in tensors.items() if not k.startswith(RESERVED)}

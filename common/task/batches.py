@@ -58,11 +58,8 @@ class Source:
             if generator is not None
             else torch.arange(self.size)
         )
-        if 0 < self.size <= batch_size:  # one batch: the whole order, not a slice of it (an operation less)
-            yield self.batch(order)
-            return
-        for start in range(0, self.size, batch_size):
-            yield self.batch(order[start : start + batch_size])
+        for indices in cut(order, batch_size):
+            yield self.batch(indices)
 
     def _contiguous(self) -> bool:
         """Whether the data are contiguous tensors: a batch sliced from them is laid out as a gather's."""
@@ -135,3 +132,14 @@ def batch_size_of(batch: Any) -> int:
         if size:
             return size
     raise DataError(f"cannot tell how many examples a batch of type {type(batch).__name__} holds")
+
+
+def cut(order: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
+    """An epoch's order of example indices in batches of `batch_size` (the last one shorter); one
+    batch is the whole order, not a slice of it (an operation less a step)."""
+    size = order.shape[0]
+    if 0 < size <= batch_size:
+        yield order
+        return
+    for start in range(0, size, batch_size):
+        yield order[start : start + batch_size]

@@ -52,7 +52,7 @@ from torch import nn
 from fedmq.common.finite import finite_by_row
 from fedmq.common.strategy.contract import PROXIMAL_MU, SCAFFOLD
 from fedmq.common.task.bank import Bank
-from fedmq.common.task.batches import Source, batch_size_of, source, to_device
+from fedmq.common.task.batches import Source, batch_size_of, cut, source, to_device
 from fedmq.common.task.batchnorm import BatchOfOne, rows_batch_norm, unbatched_buffers
 from fedmq.common.task.contract import TrainContext, TrainResult, TrainSettings
 from fedmq.common.task.dpsgd import draw_noise, epsilon_spent, noise_generator, private_gradient, refuse_model
@@ -621,11 +621,8 @@ def _stream(
         first = True
         if indices:
             assert src.size is not None
-            order = torch.randperm(src.size, generator=generator)  # as Source.batches draws it
-            size = settings.batch_size
-            batches: Iterator[Any] = (
-                iter((order,)) if 0 < src.size <= size  # one batch: the whole order, uncut
-                else (order[start : start + size] for start in range(0, src.size, size)))
+            order = torch.randperm(src.size, generator=generator)  # as Source.batches draws and cuts it
+            batches: Iterator[Any] = cut(order, settings.batch_size)
         else:
             batches = src.batches(settings.batch_size, generator)
         for batch in batches:

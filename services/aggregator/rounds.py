@@ -24,7 +24,7 @@ import torch
 
 from fedmq.common.checkpoint import save_model
 from fedmq.common.codec.compress import Downlink, downlink_bytes
-from fedmq.common.codec.updates import Rebased, RestoredWeights, Without, check_no_prefix, residual_entries
+from fedmq.common.codec.updates import RestoredWeights, Without, check_no_prefix, rebased, residual_entries
 from fedmq.common.jobspec import canonical_json
 from fedmq.common.messages import CLIENT_METRICS_MAX, FailedClient, RoundClosed
 from fedmq.common.strategy.checks import check_config, check_finite, check_tensor_map
@@ -426,11 +426,7 @@ def restored(
     """An update's full weights as the strategy sees them: sent whole, or `current` plus its decoded
     delta (read one tensor per lookup), the delta scaled down to `clip` when it is longer. Whole
     weights trained from a rounded model (`downlink`) get the rounding error back (Rebased)."""
-    full: Mapping[str, torch.Tensor]
-    if meta is not None:
-        full = RestoredWeights(current, delta, meta)
-    else:
-        full = weights if downlink == "none" else Rebased(weights, current, downlink)
+    full = rebased(weights, current, downlink) if meta is None else RestoredWeights(current, delta, meta)
     if clip is not None:
         norm = delta_norm(full, current)
         if norm > clip:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedmq.common.codec.compress import INT8_LEVELS, CompressionSpec, Residual
-from fedmq.common.codec.updates import STATE, Rebased, decode_update, split_residual, stray_names
+from fedmq.common.codec.updates import STATE, decode_update, rebased, split_residual, stray_names
 from fedmq.common.errors import DecodeError, ValidationError
 from fedmq.common.finite import all_finite
 from fedmq.common.messages import ClientUpdate
@@ -66,9 +66,8 @@ def check_update(
     check_extras(extras, reference, expected_extras)
     if max_norm is not None:  # what the client changed: whole weights trained from a rounded model
         # (compression.downlink) get the rounding back first, as the strategy will see them
-        moved = weights if spec.downlink == "none" or spec.codec != "none" else Rebased(
-            update.weights, reference, spec.downlink)
-        check_norm(moved, reference, max_norm)
+        check_norm(rebased(update.weights, reference, spec.downlink) if spec.codec == "none" else weights,
+                   reference, max_norm)
 
 
 def check_job_update(job: AggJob, msg: ClientUpdate, finite: bool = False) -> None:
