@@ -154,12 +154,14 @@ def widened(weights: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor
     """A downlinked model back in float32 where `like` (the learner's model) is: the rounded values,
     exactly. Any other tensor as it came, for the model's own checks (a dtype that does not match
     is refused there, as without a downlink)."""
+    return {name: t.float() if widens(t.dtype, like.get(name, t).dtype) else t for name, t in weights.items()}
+
+
+def widens(sent: torch.dtype, model: torch.dtype) -> bool:
+    """Whether a downlinked tensor that came as `sent` goes back to float32 (its model's `model`)."""
     import torch
 
-    def back(name: str, t: torch.Tensor) -> torch.Tensor:
-        return t.float() if t.dtype == torch.bfloat16 and like.get(name, t).dtype == torch.float32 else t
-
-    return {name: back(name, t) for name, t in weights.items()}
+    return sent == torch.bfloat16 and model == torch.float32
 
 
 def downlink_bytes(weights: Mapping[str, torch.Tensor], downlink: Downlink) -> int:

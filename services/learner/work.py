@@ -28,7 +28,7 @@ from torch import nn
 
 from fedmq.common.allowlist import AllowList, CodeNotAllowed
 from fedmq.common.codec import TensorFile
-from fedmq.common.codec.compress import CompressionSpec, Downlink, Residual, widened
+from fedmq.common.codec.compress import CompressionSpec, Downlink, Residual, widened, widens
 from fedmq.common.codec.updates import (
     check_no_prefix,
     compress_update,
@@ -265,8 +265,7 @@ class Widened(Mapping[str, torch.Tensor]):
 
     def __init__(self, file: TensorFile, like: Mapping[str, torch.Tensor]) -> None:
         self.file = file
-        self._wide = {name for name in file if name in like and like[name].dtype == torch.float32
-                      and file.meta(name)[0] == torch.bfloat16}
+        self._wide = {name for name in file if name in like and widens(file.meta(name)[0], like[name].dtype)}
 
     @property
     def path(self) -> str:
