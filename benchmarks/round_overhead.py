@@ -25,7 +25,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from targets import emit  # noqa: E402 - benchmarks/, the script's own folder
+from broker_floor import floor  # noqa: E402 - benchmarks/, the script's own folder
+from targets import emit  # noqa: E402
 
 from fedmq.common.jobspec import JobSpec, load_job  # noqa: E402
 from fedmq.common.logging import configure_logging  # noqa: E402
@@ -34,6 +35,7 @@ from fedmq.common.settings import Settings  # noqa: E402
 from fedmq.services.cli.embedded import new_job_id, run_job  # noqa: E402
 from fedmq.services.cli.remote import Remote  # noqa: E402
 from tests.e2e.cluster import cluster  # noqa: E402
+from tests.rabbit import fresh_vhost  # noqa: E402
 from tests.reference import reference_fedavg  # noqa: E402
 
 # The goals at 10 and at 100 clients a round (issue 16's; RabbitMQ's at 100 as issue 33 set it):
@@ -72,7 +74,11 @@ class Clock:
 
 def on_rabbitmq(spec: JobSpec, learners: int) -> dict[str, Any]:
     """The figures, and the CPU each process spent a steady round (from round 3's start to the end;
-    the broker's too, when it runs on this machine): where a round's time goes on a busy machine."""
+    the broker's too, when it runs on this machine): where a round's time goes on a busy machine.
+    Also the broker's floor (broker_floor.py): the same round's messages over bare pika, on the
+    same broker and vhost, before fedmq's services start."""
+    with fresh_vhost() as url:
+        bare = floor(url, spec.clients.sampled, learners, spec.rounds)
     with tempfile.TemporaryDirectory() as tmp, cluster(Path(tmp), learners=learners) as c:
         c.wait_learners(learners)
         settings = Settings(broker_url=c.url, state_dir=Path(tmp) / "cli")
@@ -89,7 +95,7 @@ def on_rabbitmq(spec: JobSpec, learners: int) -> dict[str, Any]:
                     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             after = {name: cpu_seconds(pid) for name, pid in pids.items()}
         c.stop_all()
-    figures = clock.figures(spec.rounds)
+    figures = clock.figures(spec.rounds) | {"broker_floor_round_s_median": bare["round_s_median"]}
     steady = spec.rounds - 2
     if before and steady > 0:
         spent = {name: round(1000 * (after[name] - before[name]) / steady, 1) for name in pids}
@@ -142,6 +148,10 @@ def main() -> None:
         "rabbitmq": on_rabbitmq(spec, args.learners),
         "in_memory": in_memory(spec, args.learners),
     }
+    # The plain loop's round against what the broker alone allows: a goal under it is out of reach.
+    report["rabbitmq"]["broker_floor_over_plain_loop"] = round(
+        report["rabbitmq"]["broker_floor_round_s_median"] / report["plain_loop_baseline_round_s_median"], 2
+    )
     for bus in ("rabbitmq", "in_memory"):
         report[bus]["overhead_per_round_s"] = round(
             report[bus]["round_s_median"] - report["plain_loop_baseline_round_s_median"], 4

@@ -1,0 +1,182 @@
+"""What the broker allows: a round's messages over raw pika, with no fedmq code and no training.
+
+A round of fedmq over RabbitMQ is a pattern of messages. This script plays that pattern with
+bare pika, each role in a process of its own, and times the steady round. No code of fedmq's runs,
+nothing is decoded, stored or trained. So no round of fedmq's can be faster than this one on the
+same broker and machine: a goal under it is out of reach for the pattern, whatever fedmq does.
+
+    scheduler  RoundOpen and the round's tasks, persistent, in one transaction (one wait)
+    learner    per task: the model fetched once a round (a persistent request to the model
+               queue, a reply on its own queue), the update published and confirmed, then
+               the task acked; prefetch 1, as fedmq's learners take tasks
+    aggregator each update acked; after the round's last, RoundClosed to the scheduler,
+               persistent and confirmed; each model request answered with a 20 kB reply
+
+Queues are quorum queues, as fedmq's work queues are. A second variant plays two changes to the
+pattern: the model comes with the round (no fetch), and learners take two tasks at a time.
+
+Prints one JSON object: the steady round's median (and p90) in seconds for each variant.
+`round_overhead.py` runs the first beside fedmq's own round, in the same run.
+
+Usage: python benchmarks/broker_floor.py [--clients 10] [--learners 3] [--rounds 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+import uuid
+from typing import Any
+
+import pika
+
+URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+PERSISTENT = pika.BasicProperties(delivery_mode=2)
+UPDATE = b"u" * 2000  # about a digits update's size
+MODEL = b"m" * 20000  # about the digits model's
+STEADY_FROM = 3  # the first rounds warm the broker's queues up
+
+
+def _connect(url: str) -> pika.BlockingConnection:
+    return pika.BlockingConnection(pika.URLParameters(url))
+
+
+def _learner(url: str, q: dict[str, str], fetch: bool, prefetch: int) -> None:
+    conn = _connect(url)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_qos(prefetch_count=prefetch)
+    replies = ch.queue_declare("", exclusive=True).method.queue
+    fetched: set[bytes] = set()
+
+    def on_task(_ch: Any, method: Any, _props: Any, body: bytes) -> None:
+        server_round = body[:8]
+        if fetch and server_round not in fetched:
+            asked = uuid.uuid4().hex
+            ch.basic_publish("", q["model"], b"get", pika.BasicProperties(
+                delivery_mode=2, reply_to=replies, correlation_id=asked))
+            while True:  # a consumer's callback cannot wait for another consumer's delivery
+                got, props, _ = ch.basic_get(replies, auto_ack=True)
+                if got is not None and props.correlation_id == asked:
+                    break
+            fetched.add(server_round)
+        ch.basic_publish("", q["aggregator"], b"U" + server_round + UPDATE, PERSISTENT)
+        ch.basic_ack(method.delivery_tag)
+
+    ch.basic_consume(q["tasks"], on_task)
+    ch.start_consuming()
+
+
+def _aggregator(url: str, q: dict[str, str], clients: int) -> None:
+    conn = _connect(url)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_qos(prefetch_count=8)
+    models = conn.channel()
+    models.basic_qos(prefetch_count=4)
+    counted: dict[bytes, int] = {}
+
+    def on_get(_ch: Any, method: Any, props: Any, _body: bytes) -> None:
+        answer = pika.BasicProperties(correlation_id=props.correlation_id)
+        models.basic_publish("", props.reply_to, MODEL, answer)
+        models.basic_ack(method.delivery_tag)
+
+    def on_message(_ch: Any, method: Any, _props: Any, body: bytes) -> None:
+        if body[:1] == b"U":
+            server_round = body[1:9]
+            counted[server_round] = counted.get(server_round, 0) + 1
+            if counted[server_round] == clients:
+                ch.basic_publish("", q["scheduler"], b"C" + server_round, PERSISTENT)
+        ch.basic_ack(method.delivery_tag)
+
+    models.basic_consume(q["model"], on_get)
+    ch.basic_consume(q["aggregator"], on_message)
+    ch.start_consuming()
+
+
+def _scheduler(url: str, q: dict[str, str], clients: int, rounds: int, out: Any) -> None:
+    conn = _connect(url)
+    ch = conn.channel()
+    ch.tx_select()
+    starts: list[float] = []
+
+    def open_round(server_round: int) -> None:
+        starts.append(time.perf_counter())
+        key = b"%08d" % server_round
+        ch.basic_publish("", q["aggregator"], b"O" + key, PERSISTENT)
+        for _ in range(clients):
+            ch.basic_publish("", q["tasks"], key + UPDATE, PERSISTENT)
+        ch.tx_commit()
+
+    def on_closed(_ch: Any, method: Any, _props: Any, _body: bytes) -> None:
+        ch.basic_ack(method.delivery_tag)
+        ch.tx_commit()
+        if len(starts) >= rounds:
+            starts.append(time.perf_counter())
+            ch.stop_consuming()
+            return
+        open_round(len(starts))
+
+    ch.basic_qos(prefetch_count=8)
+    ch.basic_consume(q["scheduler"], on_closed)
+    open_round(0)
+    ch.start_consuming()
+    out.put([b - a for a, b in zip(starts, starts[1:], strict=False)][STEADY_FROM:])
+
+
+def floor(
+    url: str, clients: int, learners: int, rounds: int, *, fetch: bool = True, prefetch: int = 1
+) -> dict[str, float]:
+    """The steady round of the pattern on fresh quorum queues, in seconds: median and p90."""
+    prefix = f"bench.floor.{uuid.uuid4().hex[:8]}"
+    q = {role: f"{prefix}.{role}" for role in ("scheduler", "aggregator", "tasks", "model")}
+    conn = _connect(url)
+    ch = conn.channel()
+    for name in q.values():
+        ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
+    out: Any = mp.Queue()
+    procs = [mp.Process(target=_learner, args=(url, q, fetch, prefetch), daemon=True)
+             for _ in range(learners)]
+    procs.append(mp.Process(target=_aggregator, args=(url, q, clients), daemon=True))
+    try:
+        for proc in procs:
+            proc.start()
+        time.sleep(1.0)  # every consumer in place before the first round
+        scheduler = mp.Process(target=_scheduler, args=(url, q, clients, rounds, out), daemon=True)
+        scheduler.start()
+        rounds_s = sorted(out.get(timeout=300))
+        scheduler.join()
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for name in q.values():
+            ch.queue_delete(name)
+        conn.close()
+    return {"round_s_median": round(statistics.median(rounds_s), 4),
+            "round_s_p90": round(rounds_s[int(0.9 * (len(rounds_s) - 1))], 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--learners", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--url", default=URL)
+    args = parser.parse_args()
+    report = {
+        "clients_per_round": args.clients, "learners": args.learners,
+        "fedmq_pattern": floor(args.url, args.clients, args.learners, args.rounds),
+        "pushed_model_prefetch_2": floor(
+            args.url, args.clients, args.learners, args.rounds, fetch=False, prefetch=2
+        ),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
