@@ -81,7 +81,7 @@ def fedmq_receiver(url: str, ready: Any, results: Any, count: int) -> None:
             bus.stop()
 
     bus.connect()
-    bus.consume(topology.AGGREGATOR, handler, prefetch=1)
+    bus.consume(topology.AGGREGATOR, handler, prefetch=1, read_early=True)  # as the aggregator reads
     loop = threading.Thread(target=bus.run)
     loop.start()
     bus.wait_ready(30)

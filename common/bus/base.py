@@ -23,7 +23,7 @@ from fedmq.common.codec.pack import Encoded
 class Delivery(ABC):
     """One message handed to a consumer; it must be acked or rejected exactly once."""
 
-    body: bytes
+    body: bytes  # a consumer that reads early without a spool may get a bytearray (bus/early.py)
     queue: str
     redelivered: bool = False
     reply_to: str | None = None
@@ -113,11 +113,16 @@ class Bus(ABC):
         """Fan out to every subscriber whose pattern matches `topic` (best effort)."""
 
     @abstractmethod
-    def consume(self, queue: str, handler: Handler, *, prefetch: int = 1, spool: Path | None = None) -> None:
+    def consume(
+        self, queue: str, handler: Handler, *, prefetch: int = 1, spool: Path | None = None,
+        read_early: bool = False,
+    ) -> None:
         """Deliver the queue's messages to `handler`, at most `prefetch` unacked at a time.
 
         With `spool`, a message too large for one frame is received into a file in
-        that directory (Delivery.body_path) instead of memory.
+        that directory (Delivery.body_path) instead of memory. `read_early`: such a message is
+        read while it is sent, where the transport sends it in chunks (RabbitMQ); only for a queue
+        this bus alone consumes, as the reads of two consumers would split its chunks.
         """
 
     @abstractmethod

@@ -1,6 +1,7 @@
 """The chunked-blob protocol: a message larger than one frame, sent and read back over RabbitMQ.
 
-    sender ──chunks 0..n-1, committed in transactions, then counted──▶ fedmq.x.blob ──▶ [fedmq.blob.<id>]
+    sender ──notice (blob, count, size; a hint: early.py)──▶ fedmq.x.blob, key fedmq.early.<key>
+           ──chunks 0..n-1, mandatory, committed in transactions──▶ fedmq.x.blob ──▶ [fedmq.blob.<id>]
                                                               (x-expires: FEDMQ_BLOB_EXPIRY_S unused)
            ──envelope (empty body; names the blob, count, size, sha256)──▶ destination queue
            ✗ failed before the envelope left, or the broker refused it ──▶ queue_delete (now,
@@ -18,8 +19,12 @@ envelope is settled, so a crash anywhere leaves either the whole message or noth
 A sender that fails deletes its blob queue unless the envelope may have reached its
 queue; a sender that dies leaves it to expire, unused, after FEDMQ_BLOB_EXPIRY_S.
 
-Nothing waits for a chunk. Every chunk is committed (enqueued and persisted, as a confirm
-says) and the blob queue's count checked before the envelope is sent, so
+A receiver's bus reads nothing before the envelope comes, except an early read (early.py): a
+consumer that alone consumes its queue may take the chunks as they are sent, on a thread of its
+own, after the notice the sender publishes first. Nothing on the bus's thread waits for a chunk.
+
+Every chunk is committed (enqueued and persisted, as a confirm
+says), mandatory and none returned, before the envelope is sent, so
 when an envelope arrives its blob queue already holds all of them: a passive declare
 counts them, and an envelope whose chunks are not all there is refused before any is
 read, whatever it claims. A receiver that gives an envelope back first gives back its
@@ -30,6 +35,7 @@ back before it counts them again.
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -80,6 +86,7 @@ class BlobWriter:
         self._expiry_s = expiry_s
         self._commit_bytes = commit_bytes
         self._ch: BlockingChannel | None = None
+        self._returned = 0  # chunks of the blob being sent that the broker returned (no queue)
 
     def forget(self) -> None:
         """The connection is gone, and its chunk channel with it."""
@@ -96,8 +103,10 @@ class BlobWriter:
         mandatory: bool,
         on_chunk: Callable[[int], None],
         on_orphan: Callable[[str], None],
+        notice: str | None = None,
     ) -> None:
-        """Send `body` as chunks of at most the frame size on a blob queue, then the envelope naming it.
+        """Send `body` as chunks of at most the frame size on a blob queue, then the envelope naming it;
+        first a notice naming the blob on fedmq.x.blob with the key `notice` (early.py), if given.
 
         If it fails where no envelope can name the blob, the blob queue is deleted, or handed to
         `on_orphan` when this channel can no longer do it.
@@ -107,6 +116,10 @@ class BlobWriter:
         ch.queue_declare(blob, durable=True, arguments={"x-expires": self._expiry_s * 1000})
         try:
             ch.queue_bind(blob, BLOBS, routing_key=blob)  # nobody writes to the default exchange
+            if notice is not None:  # a hint, routed or not: an early reader takes the chunks as they come
+                told = pika.BasicProperties(headers={H_BLOB: blob, H_COUNT: count, H_SIZE: body.size},
+                                            user_id=props.user_id)
+                ch.basic_publish(BLOBS, notice, b"", told)
             digest = self._send_chunks(blob, body, count, props.user_id, on_chunk)
         except BaseException:
             _discard(ch, blob, on_orphan)  # no envelope was sent: nobody will ever read these chunks
@@ -128,17 +141,18 @@ class BlobWriter:
     def _send_chunks(
         self, blob: str, body: Encoded, count: int, user_id: str | None, on_chunk: Callable[[int], None]
     ) -> str:
-        """Publish and commit every chunk, check the blob queue holds them all; their sha256."""
+        """Publish and commit every chunk, check the blob queue took them all; their sha256."""
         tx = self._channel()
         digest = hashlib.sha256()
         pending = 0  # bytes published since the last commit
+        self._returned = 0
         try:
-            with _InOrder() as hashing:  # each chunk hashed while it is sent
+            with InOrder() as hashing:  # each chunk hashed while it is sent
                 for index, chunk in enumerate(_chunks(body.parts, self._frame_bytes)):
                     headers = {H_BLOB: blob, H_INDEX: index, H_COUNT: count}
                     chunk_props = pika.BasicProperties(delivery_mode=2, headers=headers, user_id=user_id)
                     hashing.do(digest.update, chunk)
-                    tx.basic_publish(BLOBS, blob, chunk, chunk_props)
+                    tx.basic_publish(BLOBS, blob, chunk, chunk_props, mandatory=True)
                     on_chunk(len(chunk))
                     pending += len(chunk)
                     if pending >= self._commit_bytes:
@@ -150,12 +164,20 @@ class BlobWriter:
             if tx.is_open:  # no half-sent chunks left for the next blob's commit to send
                 tx.tx_rollback()
             raise
-        # Unroutable chunks would be dropped without a word (not confirmed, not mandatory):
-        # count them, so that no envelope ever names a blob that lacks any.
-        held = int(tx.queue_declare(blob, passive=True).method.message_count)
-        if held != count:
-            raise BlobIncomplete(f"blob {blob} holds {held} of its {count} chunks after their commits")
+        # So that no envelope ever names a blob that lacks a chunk: none came back unroutable (a
+        # return comes before its commit's answer), and the queue is still there. Not a count of
+        # the chunks it holds: an early reader (early.py) may hold some already, unacked.
+        if self._returned:
+            raise BlobIncomplete(f"blob {blob}: {self._returned} of its {count} chunks found no queue")
+        try:
+            tx.queue_declare(blob, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._ch = None
+            raise BlobIncomplete(f"blob {blob} is gone after its commits: {exc.reply_text}") from None
         return digest.hexdigest()
+
+    def _on_return(self, *_returned: object) -> None:
+        self._returned += 1
 
     def _channel(self) -> BlockingChannel:
         if self._ch is None or not self._ch.is_open:
@@ -164,10 +186,12 @@ class BlobWriter:
                 raise pika.exceptions.ChannelWrongStateError("not connected")
             self._ch = conn.channel()
             self._ch.tx_select()
+            # Returns come before commit-ok, on the underlying channel at once (batch.py says why).
+            self._ch._impl.add_on_return_callback(self._on_return)
         return self._ch
 
 
-class _InOrder:
+class InOrder:
     """Calls run in order on one other thread, at most AHEAD behind the caller's: a chunk is hashed
     (and written) while the next one crosses to or from the broker (hashlib and file writes let go
     of the GIL; SHA-256 of 200 MB takes 0.14-0.8 s, as long as a good part of the transfer). A
@@ -176,7 +200,7 @@ class _InOrder:
 
     AHEAD = 4  # chunks held for the thread at most (4 MiB each by default)
 
-    def __enter__(self) -> _InOrder:
+    def __enter__(self) -> InOrder:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="blob-chunks")
         self._pending: deque[Future[object]] = deque()
         return self
@@ -240,21 +264,25 @@ class BlobReader:
         self._on_chunk = on_chunk
         self._ch: BlockingChannel | None = None
 
-    def read(self, headers: dict[str, Any], tags: list[int]) -> bytes:
-        """A blob's chunks, in order, in one buffer."""
+    def read(self, headers: dict[str, Any], tags: list[int], patience_s: float = 0.0) -> bytes:
+        """A blob's chunks, in order, in one buffer. `patience_s`: how long the chunks may take to be
+        all counted (an early read has just given them back)."""
         self._size(headers)
         chunks: list[bytes] = []
-        self._collect(headers, chunks.append, tags)
+        self._collect(headers, chunks.append, tags, patience_s)
         # One join: a buffer made first would be cleared, written and copied out again, each
         # pass as long as the receive itself on a 200 MB model.
         return b"".join(chunks)
 
-    def read_to_file(self, headers: dict[str, Any], spool: Path, tags: list[int], sync: bool = True) -> Path:
+    def read_to_file(
+        self, headers: dict[str, Any], spool: Path, tags: list[int], sync: bool = True,
+        patience_s: float = 0.0,
+    ) -> Path:
         """A blob's chunks, in order, written to a new file in `spool`: memory holds a few chunks
-        (_InOrder.AHEAD waiting to be written, and the one read).
+        (InOrder.AHEAD waiting to be written, and the one read).
         `sync`: on disk before this returns (a message acked once handled), else a cache's file."""
         self._size(headers)
-        return spool_file(spool, lambda f: self._collect(headers, f.write, tags), sync)
+        return spool_file(spool, lambda f: self._collect(headers, f.write, tags, patience_s), sync)
 
     def requeue(self, tags: list[int]) -> None:
         """Give back the chunks we took, before their envelope goes back to its queue."""
@@ -286,13 +314,19 @@ class BlobReader:
             raise DecodeBlobError(f"{size} bytes is over the {self._max_bytes} limit")
         return size
 
-    def _collect(self, headers: dict[str, Any], write: Callable[[bytes], object], tags: list[int]) -> None:
+    def _collect(
+        self, headers: dict[str, Any], write: Callable[[bytes], object], tags: list[int], patience_s: float
+    ) -> None:
         """Read every chunk of a blob in order into `write`, checking order, size and digest."""
         conn = self._connection()
         assert conn is not None
         ch = self._channel(conn)
         blob, count, size = headers[H_BLOB], headers[H_COUNT], headers[H_SIZE]
         ready = self._ready(ch, blob)
+        deadline = time.monotonic() + patience_s
+        while ready < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+            ready = self._ready(ch, blob)
         if ready < count:
             raise DecodeBlobError(f"only {ready} of {count} chunks arrived")
         digest = hashlib.sha256()
@@ -302,7 +336,7 @@ class BlobReader:
             digest.update(chunk)
             write(chunk)
 
-        with _InOrder() as behind:  # each chunk hashed and written while the next one comes
+        with InOrder() as behind:  # each chunk hashed and written while the next one comes
             for index in range(count):
                 method, props, chunk = self._get(ch, blob)
                 if method is None:  # counted a moment ago: another reader took it

@@ -263,7 +263,11 @@ class MemoryBus(Bus):
     def publish_event(self, topic: str, body: bytes) -> None:
         self.broker._publish_event(topic, body)
 
-    def consume(self, queue: str, handler: Handler, *, prefetch: int = 1, spool: Path | None = None) -> None:
+    def consume(
+        self, queue: str, handler: Handler, *, prefetch: int = 1, spool: Path | None = None,
+        read_early: bool = False,
+    ) -> None:
+        # read_early: nothing comes in chunks here, so nothing is read before it is whole.
         self.broker._add_consumer(queue, _Consumer(self, handler, prefetch, spool))
 
     def subscribe(self, pattern: str, handler: EventHandler) -> None:

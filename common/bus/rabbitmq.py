@@ -9,6 +9,7 @@ user in `user_id`, which RabbitMQ checks. The parts:
     connection.py   the connection, its loop thread, timers, reconnects, the hand-off
     consumers.py    consumers and subscriptions, and settling (ack, reject, requeue)
     blob.py         messages larger than one frame, as chunks on a queue of their own
+    early.py        reading those chunks while they are sent, for a queue this bus alone consumes
     topology.py     the queues and exchanges, declared at every connect
 """
 
@@ -31,8 +32,9 @@ from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body, Bus, Delivery, EventHandler, Handler, Timer
 from fedmq.common.bus.batch import BatchPublisher
 from fedmq.common.bus.blob import H_BLOB, BlobIncomplete, BlobReader, BlobWriter, DecodeBlobError
-from fedmq.common.bus.connection import BrokerConnection
+from fedmq.common.bus.connection import BrokerConnection, connection_parameters
 from fedmq.common.bus.consumers import Consumers
+from fedmq.common.bus.early import EarlyReads, notice_key
 from fedmq.common.codec.pack import Encoded
 from fedmq.common.settings import Settings
 
@@ -56,8 +58,9 @@ class RabbitBus(Bus):
         )
         self._batches = BatchPublisher(lambda: self._link.conn)
         self._events: BlockingChannel | None = None  # publish_event's channel, unconfirmed
+        self._early = EarlyReads(self._early_node, max_bytes=settings.max_message_bytes, name=name)
         self._consumers = Consumers(
-            self._link, self._blobs, frame_bytes=settings.frame_bytes,
+            self._link, self._blobs, self._early, frame_bytes=settings.frame_bytes,
             dead_body_bytes=settings.dead_letter_body_bytes,
             on_bytes=self._count_received, on_dead_letter=self._dead_lettered,
         )
@@ -75,6 +78,11 @@ class RabbitBus(Bus):
         return self._link.reconnects
 
     @property
+    def blobs_read_early(self) -> int:
+        """Large messages handed over from a read begun while they were sent (early.py)."""
+        return self._consumers.read_early
+
+    @property
     def node(self) -> int:
         """Which of the broker addresses the connection is on (or was last on)."""
         return self._link.node
@@ -89,8 +97,10 @@ class RabbitBus(Bus):
         try:
             self._link.run()
         finally:
+            self._early.stop()
             log.info("bus_stats", bus=self.name, reconnects=self.reconnects,
-                     frame_limit_bytes=self.settings.frame_bytes, **self.stats)
+                     frame_limit_bytes=self.settings.frame_bytes, blobs_read_early=self.blobs_read_early,
+                     **self.stats)
             self._stopped.set()
 
     def stop(self) -> None:
@@ -141,8 +151,17 @@ class RabbitBus(Bus):
 
     # -- consuming ------------------------------------------------------------
 
-    def consume(self, queue: str, handler: Handler, *, prefetch: int = 1, spool: Path | None = None) -> None:
-        self._consumers.consume(queue, handler, prefetch, spool)
+    def consume(
+        self, queue: str, handler: Handler, *, prefetch: int = 1, spool: Path | None = None,
+        read_early: bool = False,
+    ) -> None:
+        self._consumers.consume(queue, handler, prefetch, spool, read_early)
+
+    def _early_node(self) -> pika.ConnectionParameters | None:
+        """Early reads' connection: to the node the bus is on, named for the broker's UI."""
+        if self._link.conn is None:
+            return None
+        return connection_parameters(self.settings, f"{self.name}-early")[self._link.node]
 
     def subscribe(self, pattern: str, handler: EventHandler) -> None:
         self._consumers.subscribe(pattern, handler)
@@ -299,7 +318,7 @@ class RabbitBus(Bus):
             self._count_sent(encoded.size)
             return
         self.stats["blobs_sent"] += 1
-        self._writer.publish(ch, exchange, key, encoded, props, mandatory=mandatory,
+        self._writer.publish(ch, exchange, key, encoded, props, mandatory=mandatory, notice=notice_key(key),
                              on_chunk=self._count_sent, on_orphan=self._orphans.append)
 
     def _on_reply(self, ch: BlockingChannel, method: Any, props: Any, body: bytes) -> None:

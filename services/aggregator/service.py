@@ -130,7 +130,10 @@ class AggregatorService:
                 continue
             self.jobs[job.job_id] = job
             log.info("job_resumed", job=job.job_id, round=job.round, open_round=job.open_round)
-        self.bus.consume(topology.AGGREGATOR, self.on_message, prefetch=PREFETCH, spool=self.root / "spool")
+        # Read early: a large update is taken while its learner sends it (the aggregator consumes
+        # its queue alone), so that its time on the bus is the learner's, not then the aggregator's.
+        self.bus.consume(topology.AGGREGATOR, self.on_message, prefetch=PREFETCH, spool=self.root / "spool",
+                         read_early=True)
         self.bus.consume(topology.MODEL, self.models.on_model_get, prefetch=4)
 
     # -- dispatch -------------------------------------------------------------

@@ -25,8 +25,10 @@ from fedmq.common.bus.blob import (
     BlobReader,
     BlobWriter,
     DecodeBlobError,
-    _InOrder,
+    InOrder,
 )
+from fedmq.common.bus.early import NOTICE_PREFIX, notice_key
+from fedmq.common.bus.topology import BLOBS
 from fedmq.common.codec.pack import Encoded
 
 BODY = bytes(range(256)) * 3 + b"tail"  # 772 bytes: 8 chunks of 100, the last short
@@ -48,6 +50,16 @@ class FakeChannel:
         self.uncommitted: list[tuple[str, pika.BasicProperties, bytes]] = []  # chunks held till commit
         self.commits: list[int] = []  # chunks in each commit
         self.rolled_back = 0
+        self.notices: list[tuple[str, pika.BasicProperties]] = []  # (key, props) on the blob exchange
+        self._on_return: Any = None
+        self._impl = self  # pika's underlying channel, where the return callback goes
+
+    def add_on_return_callback(self, callback: Any) -> None:
+        self._on_return = callback
+
+    def returned(self, exchange: str, key: str, props: pika.BasicProperties, body: bytes) -> None:
+        """As the broker returns a mandatory message no queue took: before the commit's answer."""
+        self._on_return(self, SimpleNamespace(exchange=exchange, routing_key=key), props, body)
 
     def queue_declare(
         self, queue: str, durable: bool = False, arguments: dict[str, Any] | None = None,
@@ -66,6 +78,10 @@ class FakeChannel:
         self, exchange: str, key: str, body: bytes, props: pika.BasicProperties, mandatory: bool = False
     ) -> None:
         assert exchange != "", "nothing goes through the default exchange"
+        if key.startswith(NOTICE_PREFIX):
+            assert exchange == BLOBS and not mandatory, "a notice is a hint on the blob exchange"
+            self.notices.append((key, props))
+            return
         if (exchange, key, key) in self.bound and key in self.queues:
             if self.transactional:  # as the broker: enqueued only at the commit
                 self.uncommitted.append((key, props, body))
@@ -127,7 +143,7 @@ def publish_blob(
     conn = FakeConnection(ch)
     writer = BlobWriter(lambda: conn, frame_bytes=frame_bytes, expiry_s=expiry_s, commit_bytes=commit_bytes)
     encoded = body if isinstance(body, Encoded) else Encoded([body])
-    writer.publish(ch, exchange, key, encoded, props, mandatory=mandatory,
+    writer.publish(ch, exchange, key, encoded, props, mandatory=mandatory, notice=notice_key(key),
                    on_chunk=on_chunk, on_orphan=on_orphan)
 
 
@@ -174,13 +190,37 @@ def test_a_body_in_parts_goes_in_the_same_chunks_as_joined() -> None:
 
 
 class LosingChannel(FakeChannel):
-    """Drops the fourth chunk without a word, as the broker drops an unroutable one unconfirmed."""
+    """Returns the fourth chunk, as the broker returns a mandatory one that no queue took."""
 
     def basic_publish(
         self, exchange: str, key: str, body: bytes, props: pika.BasicProperties, mandatory: bool = False
     ) -> None:
         if (props.headers or {}).get(H_INDEX) != 3:
             super().basic_publish(exchange, key, body, props, mandatory)
+        else:
+            assert mandatory, "a chunk no queue takes must come back, not vanish"
+            self.returned(exchange, key, props, body)
+
+
+def test_a_notice_names_the_blob_for_an_early_reader_before_any_chunk_is_sent() -> None:
+    ch = FakeChannel()
+    chunks_at_notice: list[int] = []
+    notices = ch.notices
+
+    class Watching(list[tuple[str, pika.BasicProperties]]):
+        def append(self, item: tuple[str, pika.BasicProperties]) -> None:
+            chunks_at_notice.append(len(ch.queues[item[1].headers[H_BLOB]]) + len(ch.uncommitted))
+            super().append(item)
+
+    ch.notices = Watching(notices)
+    publish_blob(ch, "fedmq.x.aggregator", "fedmq.aggregator", BODY, pika.BasicProperties(user_id="learner"),
+                 mandatory=True, frame_bytes=100, expiry_s=600, on_chunk=lambda n: None,
+                 on_orphan=ORPHANS.append)
+    [(key, notice)] = ch.notices
+    [(_, _, envelope)] = ch.envelopes
+    assert key == NOTICE_PREFIX + "fedmq.aggregator" and chunks_at_notice == [0]
+    assert notice.headers == {H_BLOB: envelope.headers[H_BLOB], H_COUNT: 8, H_SIZE: len(BODY)}
+    assert notice.user_id == "learner", "the broker checks who sends it, as for any message"
 
 
 def test_chunks_are_committed_each_time_the_commit_size_is_reached_and_at_the_end() -> None:
@@ -194,9 +234,9 @@ def test_chunks_are_committed_each_time_the_commit_size_is_reached_and_at_the_en
     assert len(ch.queues[envelope.headers[H_BLOB]]) == 8
 
 
-def test_a_blob_missing_a_chunk_after_its_commit_sends_no_envelope_and_is_deleted() -> None:
+def test_a_chunk_the_broker_returns_sends_no_envelope_and_the_blob_is_deleted() -> None:
     ch = LosingChannel()
-    with pytest.raises(BlobIncomplete, match="holds 7 of its 8 chunks"):
+    with pytest.raises(BlobIncomplete, match="1 of its 8 chunks found no queue"):
         publish_blob(ch, "fedmq.x.aggregator", "fedmq.aggregator", BODY, pika.BasicProperties(),
                      mandatory=True, frame_bytes=100, expiry_s=600, on_chunk=lambda n: None,
                      on_orphan=ORPHANS.append)
@@ -270,7 +310,8 @@ def test_requeue_gives_back_the_chunks_taken_and_delete_drops_the_queue() -> Non
 
 
 class FailingChannel(FakeChannel):
-    """Fails the n-th publish (a chunk or the envelope) with `error`; open or not afterwards."""
+    """Fails the n-th publish (a chunk or the envelope; not the notice) with `error`; open or not
+    afterwards."""
 
     def __init__(self, fail_at: int, error: Exception, stays_open: bool) -> None:
         super().__init__()
@@ -279,7 +320,7 @@ class FailingChannel(FakeChannel):
     def basic_publish(
         self, exchange: str, key: str, body: bytes, props: pika.BasicProperties, mandatory: bool = False
     ) -> None:
-        self.published += 1
+        self.published += not key.startswith(NOTICE_PREFIX)
         if self.published == self.fail_at:
             self.is_open = self.stays_open
             raise self.error
@@ -320,7 +361,7 @@ def test_an_envelope_lost_before_its_confirm_keeps_its_blob_for_the_reader() -> 
 
 def test_chunks_are_taken_in_order_on_one_other_thread_and_its_failure_reaches_the_reader() -> None:
     taken: list[tuple[bytes, str]] = []
-    with _InOrder() as behind:
+    with InOrder() as behind:
         for i in range(40):
             behind.do(lambda chunk: taken.append((chunk, threading.current_thread().name)), bytes([i]))
         behind.wait()
@@ -331,7 +372,7 @@ def test_chunks_are_taken_in_order_on_one_other_thread_and_its_failure_reaches_t
         if chunk == b"\x03":
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    with pytest.raises(OSError, match="No space"), _InOrder() as behind:
+    with pytest.raises(OSError, match="No space"), InOrder() as behind:
         for i in range(100):
             behind.do(full, bytes([i]))
         behind.wait()

@@ -1,0 +1,141 @@
+"""A large message read while it is sent (bus/early.py), on a real broker: handed over whole or
+read as before, and never a chunk lost when no envelope comes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import time
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from fedmq.common.bus import early, topology
+from fedmq.common.bus.base import Delivery
+from fedmq.common.bus.blob import BLOB_PREFIX, H_BLOB, H_COUNT, H_INDEX, H_SIZE
+from fedmq.common.settings import Settings
+from tests.integration.test_blob_leftovers import running
+from tests.integration.test_bus_contract import WAIT
+from tests.rabbit import fresh_vhost
+
+pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
+
+FRAME = 64 * 1024
+BODY = os.urandom(3 * 1024 * 1024 + 123)  # 49 chunks, the last one short
+
+
+def receive(
+    url: str, tmp_path: Path, *, spool: bool, handle: Any = None, count: int = 1
+) -> list[tuple[bytes, bool, int]]:
+    """Publish BODY to the aggregator's queue, `count` times; what a read_early consumer got each
+    time it was handed a message: (body bytes, whether it came from a file, read early so far)."""
+    settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=FRAME)
+    got: queue.Queue[tuple[bytes, bool, int]] = queue.Queue()
+    with running(settings, "receiver") as rx, running(settings, "sender") as tx:
+
+        def handler(delivery: Delivery) -> None:
+            body = delivery.body_path.read_bytes() if delivery.body_path else bytes(delivery.body)
+            got.put((body, delivery.body_path is not None, rx.blobs_read_early))
+            (handle or (lambda d: d.ack()))(delivery)
+
+        rx.consume(topology.AGGREGATOR, handler, spool=tmp_path / "spool" if spool else None, read_early=True)
+        time.sleep(0.2)  # its notices' binding in place (consume returns before the loop has run it)
+        for _ in range(count):
+            tx.publish(topology.AGGREGATOR, BODY)
+        results: list[tuple[bytes, bool, int]] = []
+        try:
+            while True:
+                results.append(got.get(timeout=WAIT if len(results) < count else 1.0))
+        except queue.Empty:
+            pass
+    return results
+
+
+@pytest.mark.parametrize("spool", [False, True], ids=["in memory", "into a spool file"])
+def test_a_large_message_is_read_while_it_is_sent_and_handed_over_whole(tmp_path: Path, spool: bool) -> None:
+    with fresh_vhost() as url:
+        [(body, from_file, read_early)] = receive(url, tmp_path, spool=spool)
+        assert hashlib.sha256(body).digest() == hashlib.sha256(BODY).digest()
+        assert from_file == spool
+        assert read_early == 1, "handed over from its early read, not read again after the envelope"
+        assert not list((tmp_path / "spool").glob("*")), "the spool file is gone once the message is settled"
+
+
+def test_an_early_read_that_does_not_match_its_envelope_is_given_back_and_read_as_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start = early.EarlyReads.start
+
+    def lying_notice(self: early.EarlyReads, headers: dict[str, Any], spool: Path | None, sync: bool) -> None:
+        start(self, {**headers, H_SIZE: headers[H_SIZE] + 1}, spool, sync)  # one byte more than it has
+
+    monkeypatch.setattr(early.EarlyReads, "start", lying_notice)
+    with fresh_vhost() as url:
+        [(body, _, read_early)] = receive(url, tmp_path, spool=True)
+        assert body == BODY and read_early == 0
+
+
+def test_a_message_given_back_after_its_early_read_is_read_again_whole(tmp_path: Path) -> None:
+    seen: list[Delivery] = []
+
+    def requeue_the_first(delivery: Delivery) -> None:
+        seen.append(delivery)
+        delivery.requeue() if len(seen) == 1 else delivery.ack()
+
+    with fresh_vhost() as url:
+        first, second = receive(url, tmp_path, spool=True, handle=requeue_the_first)
+        assert first[0] == BODY and first[2] == 1, "the first time, from its early read"
+        assert second[0] == BODY and second[2] == 1, "then read again from its chunks, given back whole"
+
+
+def send_without_envelope(url: str, chunks: int) -> tuple[str, int]:
+    """What a sender that dies before its envelope leaves: the notice, and `chunks` of the blob's
+    chunks (of 4). The blob queue's name and the blob's full count."""
+    blob, count = f"{BLOB_PREFIX}{os.urandom(8).hex()}", 4
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.queue_declare(blob, durable=True, arguments={"x-expires": 600_000})
+    ch.queue_bind(blob, topology.BLOBS, routing_key=blob)
+    notice = {H_BLOB: blob, H_COUNT: count, H_SIZE: count * FRAME}
+    ch.basic_publish(topology.BLOBS, early.notice_key(topology.AGGREGATOR), b"",
+                     pika.BasicProperties(headers=notice))
+    for index in range(chunks):
+        ch.basic_publish(topology.BLOBS, blob, os.urandom(FRAME),
+                         pika.BasicProperties(delivery_mode=2, headers={H_BLOB: blob, H_INDEX: index}))
+    conn.close()
+    return blob, count
+
+
+def ready_chunks(url: str, blob: str) -> int:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(conn.channel().queue_declare(blob, passive=True).method.message_count)
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("sent", [4, 2], ids=["whole, never claimed", "stalled"])
+def test_chunks_an_early_read_holds_go_back_when_no_envelope_comes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sent: int
+) -> None:
+    monkeypatch.setattr(early, "UNCLAIMED_S", 1.0)
+    monkeypatch.setattr(early, "STALL_S", 1.0)
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=FRAME)
+        with running(settings, "receiver") as rx:
+            rx.consume(topology.AGGREGATOR, lambda d: d.ack(), spool=tmp_path / "spool", read_early=True)
+            time.sleep(0.2)
+            blob, _ = send_without_envelope(url, sent)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and ready_chunks(url, blob) == sent:  # not taken yet
+                time.sleep(0.05)
+            taken = ready_chunks(url, blob)
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline and ready_chunks(url, blob) < sent:
+                time.sleep(0.1)
+            assert taken < sent, "the early read took chunks before any envelope came"
+            assert ready_chunks(url, blob) == sent, "and gave every one back"
+            assert not list((tmp_path / "spool").glob("*")), "its file removed"
