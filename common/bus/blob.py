@@ -118,7 +118,7 @@ class BlobWriter:
             ch.queue_bind(blob, BLOBS, routing_key=blob)  # nobody writes to the default exchange
             if notice is not None:  # a hint, routed or not: an early reader takes the chunks as they come
                 told = pika.BasicProperties(headers={H_BLOB: blob, H_COUNT: count, H_SIZE: body.size},
-                                            user_id=props.user_id)
+                                            correlation_id=props.correlation_id, user_id=props.user_id)
                 ch.basic_publish(BLOBS, notice, b"", told)
             digest = self._send_chunks(blob, body, count, props.user_id, on_chunk)
         except BaseException:

@@ -61,6 +61,11 @@ class RabbitDelivery(Delivery):
         return not self._settled and self._generation == link.generation and not link.is_lost()
 
 
+# Where an early read of a noticed blob goes (a spool folder, or None: memory; fsynced or not),
+# from the notice's properties; None: it is not read early.
+NoticeTarget = Callable[[Any], tuple[Path | None, bool] | None]
+
+
 @dataclass
 class _Consumer:
     queue: str
@@ -89,7 +94,8 @@ class Consumers:
         self._link = connection
         self._blobs = blobs
         self._early = early
-        self._notices: Any = None  # this connection's channel of early-read notices, once one is asked for
+        # The channel and queue of early-read notices, and the connection (generation) they are on.
+        self._notices: tuple[int, Any, str] | None = None
         self._frame_bytes = frame_bytes
         self._dead_body_bytes = dead_body_bytes  # a dead letter's body beyond this is dropped
         self._on_bytes = on_bytes  # every message body received
@@ -99,8 +105,9 @@ class Consumers:
         self.ready = threading.Event()  # connected, consumers and subscriptions live
         self._lock = threading.Lock()  # orders registrations against (re)subscription
         self._spool_delay = connection.settings.retry_initial_s  # backoff of reads into a full spool
-        self._spools: dict[str, Path | None] = {}  # by notice key: where an early read's file goes
-        self.read_early = 0  # blobs handed over from their early read (early.py)
+        # By notice key: where an early read of a blob the notice names goes, (spool folder or None
+        # for memory, whether fsynced), or None: not read early.
+        self._notice_targets: dict[str, NoticeTarget] = {}
 
     def consume(
         self, queue: str, handler: Handler, prefetch: int, spool: Path | None, read_early: bool = False
@@ -117,7 +124,6 @@ class Consumers:
     def start_all(self) -> None:
         """On a fresh connection: start every consumer and subscription made so far; then ready."""
         with self._lock:
-            self._notices = None  # the old connection's, gone with it
             for consumer in self._consumers:
                 self._start_consumer(consumer)
             for pattern, handler in self._subscriptions:
@@ -158,29 +164,33 @@ class Consumers:
             auto_ack=False,
         )
         if consumer.read_early:
-            self._hear_notices(consumer)
+            self.hear_notices(consumer.queue, lambda _props: (consumer.spool, True))
 
-    def _hear_notices(self, consumer: _Consumer) -> None:
-        """The notices of blobs sent to the consumer's queue, to start their early reads: on a
-        channel of its own, so that a broker refusing the binding (403) closes that one only."""
+    def hear_notices(self, key: str, target: NoticeTarget) -> None:
+        """On the loop: start an early read for each notice of a blob sent with routing key `key`,
+        where `target(notice's properties)` says. On a channel of its own, so that a broker refusing
+        the binding (403) closes that one only; on a new connection, asked for again."""
         conn = self._link.conn
         assert conn is not None
         try:
-            if self._notices is None:
+            if self._notices is None or self._notices[0] != self._link.generation:  # none on this connection
                 ch = conn.channel()
                 name = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
                 ch.basic_consume(name, self._on_notice, auto_ack=True)
-                self._notices = (ch, name)
-            ch, name = self._notices
-            ch.queue_bind(name, topology.BLOBS, routing_key=notice_key(consumer.queue))
+                self._notices = (self._link.generation, ch, name)
+            _, ch, name = self._notices
+            ch.queue_bind(name, topology.BLOBS, routing_key=notice_key(key))
         except pika.exceptions.ChannelClosedByBroker as exc:  # not allowed: its blobs are read as before
-            log.warning("early_reads_refused", queue=consumer.queue, error=exc.reply_text)
+            log.warning("early_reads_refused", queue=key, error=exc.reply_text)
             self._notices = None
             return
-        self._spools[notice_key(consumer.queue)] = consumer.spool
+        self._notice_targets[notice_key(key)] = target
 
     def _on_notice(self, _ch: Any, method: Any, props: Any, _body: bytes) -> None:
-        self._early.start(dict(props.headers or {}), self._spools.get(method.routing_key), sync=True)
+        target = self._notice_targets.get(method.routing_key)
+        where = target(props) if target is not None else None
+        if where is not None:
+            self._early.start(dict(props.headers or {}), *where)
 
     def _start_subscription(self, pattern: str, handler: EventHandler) -> None:
         ch = self._link.channel
@@ -226,7 +236,6 @@ class Consumers:
             # Chunks an early read has just given back may take a moment to be counted again.
             patience_s = 2.0 if begun else 0.0
             try:
-                self.read_early += early is not None
                 if isinstance(early, Path):
                     delivery.body_path = early
                     self._on_bytes(int(delivery.headers[H_SIZE]))

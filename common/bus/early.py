@@ -3,7 +3,8 @@
     sender ──notice (blob, count, size)──▶ fedmq.x.blob, key fedmq.early.<destination's key>
            ──chunks, committed and counted──▶ fedmq.blob.<id>        (blob.py, unchanged)
            ──envelope──▶ destination
-    a consumer that reads early (consume(..., read_early=True): a queue this bus alone consumes)
+    a consumer that reads early (consume(..., read_early=True): a queue this bus alone consumes;
+    and every bus's own reply queue, for a large reply)
         notice ──▶ EarlyReads, on a connection and a thread of their own: consume fedmq.blob.<id>
                    unacked, each chunk checked (order, size), hashed and written as it comes
         envelope ──▶ claim: wait for that read to end ─▶ whole, the envelope's size and digest:
@@ -22,6 +23,10 @@ MAX_READS, the envelope is read as before. A read that stops receiving for STALL
 whole and unclaimed for UNCLAIMED_S (its sender died before the envelope), gives its chunks
 back. The reads run on another thread so that one slow upload never holds up the bus's
 other messages; the envelope is only claimed once the sender has sent it all.
+
+A notice is trusted no more than a chunk: one naming another receiver's blob makes this reader
+hold those chunks until it gives them back, which any broker user who may read blob queues
+(every fedmq user) could do, and worse, by consuming them itself.
 """
 
 from __future__ import annotations
@@ -109,6 +114,7 @@ class EarlyReads:
         self._thread: threading.Thread | None = None
         self._conn: BlockingConnection | None = None
         self._stopping = False
+        self.handed = 0  # bodies handed over whole by a claim
 
     # -- the callers' side ----------------------------------------------------
 
@@ -149,6 +155,7 @@ class EarlyReads:
         with self._lock:  # once, and not while it expires
             if matches and not read.claimed and self._reads.get(read.blob) is read:
                 read.claimed = True
+                self.handed += 1
             else:
                 matches = False
         if not matches:

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pika
 import pika.exceptions
@@ -31,7 +31,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body, Bus, Delivery, EventHandler, Handler, Timer
 from fedmq.common.bus.batch import BatchPublisher
-from fedmq.common.bus.blob import H_BLOB, BlobIncomplete, BlobReader, BlobWriter, DecodeBlobError
+from fedmq.common.bus.blob import H_BLOB, H_SIZE, BlobIncomplete, BlobReader, BlobWriter, DecodeBlobError
 from fedmq.common.bus.connection import BrokerConnection, connection_parameters
 from fedmq.common.bus.consumers import Consumers
 from fedmq.common.bus.early import EarlyReads, notice_key
@@ -80,7 +80,7 @@ class RabbitBus(Bus):
     @property
     def blobs_read_early(self) -> int:
         """Large messages handed over from a read begun while they were sent (early.py)."""
-        return self._consumers.read_early
+        return self._early.handed
 
     @property
     def node(self) -> int:
@@ -136,6 +136,8 @@ class RabbitBus(Bus):
         ch.queue_bind(self._reply_queue, topology.REPLIES, routing_key=self._reply_queue)
         ch.basic_qos(prefetch_count=4)
         ch.basic_consume(self._reply_queue, self._on_reply, auto_ack=False)
+        # A large reply is read while it is sent: this bus alone reads its reply queue.
+        self._consumers.hear_notices(self._reply_queue, self._reply_target)
         self._consumers.start_all()
 
     def _on_lost(self) -> None:
@@ -271,8 +273,8 @@ class RabbitBus(Bus):
 
     def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
         reply = self._request(queue, body, timeout, None)
-        assert isinstance(reply, bytes)
-        return reply
+        assert isinstance(reply, bytes | bytearray)  # a large one read early: bytes-like, unjoined
+        return cast(bytes, reply)
 
     def request_large(
         self, queue: str, body: bytes, *, timeout: float, spool: Callable[[], Path]
@@ -321,15 +323,31 @@ class RabbitBus(Bus):
         self._writer.publish(ch, exchange, key, encoded, props, mandatory=mandatory, notice=notice_key(key),
                              on_chunk=self._count_sent, on_orphan=self._orphans.append)
 
+    def _reply_target(self, notice: Any) -> tuple[Path | None, bool] | None:
+        """Where a large reply's early read goes: the folder its request asked for, or memory; None
+        when no request waits for it."""
+        asked = notice.correlation_id or ""
+        if asked not in self._waiters:
+            return None
+        spool = self._spools.get(asked)
+        return (spool() if spool is not None else None), False
+
     def _on_reply(self, ch: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
         headers = dict(props.headers or {})
         reply: bytes | Path = body
         failed: OSError | None = None
         if H_BLOB in headers:
             spool = self._spools.get(props.correlation_id or "")
+            early, begun = self._early.claim(headers)
+            patience_s = 2.0 if begun else 0.0  # chunks just given back may take a moment to count
             try:
-                reply = (self._blobs.read(headers, []) if spool is None
-                         else self._blobs.read_to_file(headers, spool(), [], sync=False))
+                if early is not None:
+                    reply = early if isinstance(early, Path) else cast(bytes, early)  # bytes-like, unjoined
+                    self._count_received(int(headers[H_SIZE]))
+                elif spool is None:
+                    reply = self._blobs.read(headers, [], patience_s=patience_s)
+                else:
+                    reply = self._blobs.read_to_file(headers, spool(), [], sync=False, patience_s=patience_s)
             except DecodeBlobError as exc:
                 log.warning("reply_dropped", reason=str(exc))
                 reply = b""
@@ -338,6 +356,7 @@ class RabbitBus(Bus):
                 failed = exc
             finally:
                 self._blobs.delete(headers[H_BLOB])
+                self._early.forget(headers[H_BLOB])
         ch.basic_ack(method.delivery_tag)
         future = self._waiters.pop(props.correlation_id or "", None)
         try:

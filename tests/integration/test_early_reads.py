@@ -139,3 +139,24 @@ def test_chunks_an_early_read_holds_go_back_when_no_envelope_comes(
             assert taken < sent, "the early read took chunks before any envelope came"
             assert ready_chunks(url, blob) == sent, "and gave every one back"
             assert not list((tmp_path / "spool").glob("*")), "its file removed"
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["request", "request_large into a file"])
+def test_a_large_reply_is_read_while_it_is_sent(tmp_path: Path, large: bool) -> None:
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=FRAME)
+        with running(settings, "asker") as asker, running(settings, "answerer") as answerer:
+
+            def answer(delivery: Delivery) -> None:
+                answerer.reply(delivery, BODY)
+                delivery.ack()
+
+            answerer.consume(topology.MODEL, answer)
+            time.sleep(0.2)
+            if large:
+                got = asker.request_large(topology.MODEL, b"?", timeout=WAIT, spool=lambda: tmp_path / "models")
+                assert isinstance(got, Path) and got.parent == tmp_path / "models"
+                body = got.read_bytes()
+            else:
+                body = bytes(asker.request(topology.MODEL, b"?", timeout=WAIT))
+            assert body == BODY and asker.blobs_read_early == 1
