@@ -67,6 +67,11 @@ class DecodeBlobError(Exception):
     """A chunked message could not be put back together."""
 
 
+class BlobHeld(DecodeBlobError):
+    """Not every chunk is in the blob queue, but a reader holds some (an early read giving them
+    back, or another's): whole later, perhaps, so the envelope is tried again, not refused."""
+
+
 class BlobIncomplete(Exception):
     """After its commits, a blob queue did not hold every chunk: no envelope was sent."""
 
@@ -322,11 +327,13 @@ class BlobReader:
         assert conn is not None
         ch = self._channel(conn)
         blob, count, size = headers[H_BLOB], headers[H_COUNT], headers[H_SIZE]
-        ready = self._ready(ch, blob)
+        ready, readers = self._ready(ch, blob)
         deadline = time.monotonic() + patience_s
         while ready < count and time.monotonic() < deadline:
             time.sleep(0.05)
-            ready = self._ready(ch, blob)
+            ready, readers = self._ready(ch, blob)
+        if ready < count and readers:
+            raise BlobHeld(f"{ready} of {count} chunks ready, {readers} reader(s) hold others")
         if ready < count:
             raise DecodeBlobError(f"only {ready} of {count} chunks arrived")
         digest = hashlib.sha256()
@@ -354,10 +361,12 @@ class BlobReader:
         if digest.hexdigest() != headers.get(H_DIGEST):
             raise DecodeBlobError("digest mismatch")
 
-    def _ready(self, ch: BlockingChannel, blob: str) -> int:
-        """How many chunks the blob queue holds, asked without waiting for any."""
+    def _ready(self, ch: BlockingChannel, blob: str) -> tuple[int, int]:
+        """How many chunks the blob queue holds ready, and how many consumers it has (readers
+        that may hold others unacked), asked without waiting for any."""
         try:
-            return int(ch.queue_declare(blob, passive=True).method.message_count)
+            method = ch.queue_declare(blob, passive=True).method
+            return int(method.message_count), int(method.consumer_count)
         except pika.exceptions.ChannelClosedByBroker as exc:
             raise self._unavailable(exc) from None
 

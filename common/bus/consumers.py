@@ -2,6 +2,7 @@
 
     message ─▶ over the frame size, not a blob ───────────────────────▶ dead-letter "oversize"
             ─▶ a blob's envelope: read its chunks (size, order, digest) ─✗─▶ dead-letter "blob: ..."
+                                  some held by a reader ─▶ back to its queue after HELD_RETRY_S
                                   (read_early: taken from its early read, if whole: early.py)
                                   spool file unwritable (disk full) ─▶ chunks back, read again later,
                                                       the deliveries after it held until then
@@ -29,13 +30,14 @@ import structlog
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Delivery, EventHandler, Handler
-from fedmq.common.bus.blob import H_BLOB, H_SIZE, BlobReader, DecodeBlobError
+from fedmq.common.bus.blob import H_BLOB, H_SIZE, BlobHeld, BlobReader, DecodeBlobError
 from fedmq.common.bus.connection import PIKA_ERRORS, BrokerConnection
 from fedmq.common.bus.early import EarlyReads, notice_key
 
 log = structlog.get_logger("fedmq.bus")
 
 H_REASON, H_QUEUE, H_DROPPED = "x-fedmq-reason", "x-fedmq-queue", "x-fedmq-dropped-bytes"
+HELD_RETRY_S = 1.0  # an envelope whose chunks a reader holds goes back to its queue after this
 
 
 @dataclass(eq=False)
@@ -174,6 +176,7 @@ class Consumers:
         assert conn is not None
         try:
             if self._notices is None or self._notices[0] != self._link.generation:  # none on this connection
+                self._notice_targets.clear()  # the old connection's keys (its reply queue's) are gone
                 ch = conn.channel()
                 name = ch.queue_declare("", exclusive=True, auto_delete=True).method.queue
                 ch.basic_consume(name, self._on_notice, auto_ack=True)
@@ -250,6 +253,10 @@ class Consumers:
                     )
                 else:
                     delivery.body = self._blobs.read(delivery.headers, tags, patience_s=patience_s)
+            except BlobHeld as exc:  # back in its queue after a moment: counted by the delivery limit
+                log.info("blob_held", queue=consumer.queue, detail=str(exc))
+                self._link.call_later(HELD_RETRY_S, lambda: delivery.requeue() if delivery.live() else None)
+                return
             except DecodeBlobError as exc:
                 log.warning("message_rejected", queue=consumer.queue, reason="blob", detail=str(exc))
                 delivery.reject(f"blob: {exc}")
@@ -317,8 +324,10 @@ class Consumers:
         else:
             ch.basic_ack(delivery._tag)
         if delivery._blob is not None and outcome != "requeue":
-            self._blobs.delete(delivery._blob)
-            self._early.forget(delivery._blob)
+            try:
+                self._blobs.delete(delivery._blob)
+            finally:  # even when the connection went meanwhile: the read must not hold its chunks
+                self._early.forget(delivery._blob)
         if delivery.body_path is not None:
             delivery.body_path.unlink(missing_ok=True)
 

@@ -21,7 +21,10 @@ An early read never acks a chunk: if its process dies the broker requeues them, 
 envelope, redelivered, is read again. A notice is a hint: lost, refused, late or beyond
 MAX_READS, the envelope is read as before. A read that stops receiving for STALL_S, or is
 whole and unclaimed for UNCLAIMED_S (its sender died before the envelope), gives its chunks
-back. The reads run on another thread so that one slow upload never holds up the bus's
+back; so does a claimed one whose envelope was never settled here (CLAIMED_S, or at once when
+the bus's connection is lost: the envelope comes again). Chunks given back more slowly than a
+reader waits for them are never taken for lost: the envelope goes back to its queue for a
+moment (blob.BlobHeld), counted by the delivery limit. The reads run on another thread so that one slow upload never holds up the bus's
 other messages; the envelope is only claimed once the sender has sent it all.
 
 A notice is trusted no more than a chunk: one naming another receiver's blob makes this reader
@@ -53,20 +56,19 @@ log = structlog.get_logger("fedmq.bus")
 
 NOTICE_PREFIX = "fedmq.early."
 MAX_READS = 8  # early reads at once; a notice beyond them is ignored (its envelope is read as before)
-STALL_S = 30.0  # an early read whose chunks stop coming this long gives them back
+STALL_S = 120.0  # an early read whose chunks stop coming this long gives them back
 UNCLAIMED_S = 120.0  # a whole early read no envelope claims this long gives its chunks back
+CLAIMED_S = 3600.0  # a claimed read whose envelope never settles here (its connection lost) gives them back
+FAILED_S = 10.0  # a failed read is remembered this long: a claim then waits for its chunks to be counted
 CLAIM_STALL_S = 10.0  # a claim waits while chunks come; this long without one, it reads as before
+CLAIM_MAX_S = 60.0  # and never longer than this in all: the bus's thread waits meanwhile
+RELEASE_WAIT_S = 10.0  # how long a release waits for the chunks to be back on the broker
 TICK_S = 0.01  # how long the thread waits on the broker before it looks at its commands
 
 
 def notice_key(destination: str) -> str:
     """The routing key (on fedmq.x.blob) of the notices of blobs sent to `destination`."""
     return NOTICE_PREFIX + destination
-
-
-def notice_headers(headers: dict[str, Any]) -> dict[str, Any]:
-    """A notice's headers, from its blob's envelope headers (the blob, its count and size)."""
-    return {key: headers[key] for key in (H_BLOB, H_COUNT, H_SIZE)}
 
 
 @dataclass(eq=False)
@@ -87,6 +89,7 @@ class _Read:
     last_tag: int = 0  # the newest chunk's delivery tag on `channel` (none acked, ever)
     error: str = ""
     claimed: bool = False
+    closing: bool = False  # its chunks being given back (or left to their deleted queue): not claimable
     touched: float = field(default_factory=time.monotonic)
     ended: threading.Event = field(default_factory=threading.Event)  # whole, or failed
 
@@ -145,16 +148,17 @@ class EarlyReads:
             read = self._reads.get(blob) if isinstance(blob, str) else None
         if read is None:
             return None, False
-        seen = -1
-        while not read.ended.wait(1.0):  # the sender has sent it all: only the last chunks to come
-            if read.received == seen and time.monotonic() - read.touched > CLAIM_STALL_S:
+        deadline = time.monotonic() + CLAIM_MAX_S
+        while not read.ended.wait(0.5):  # the sender has sent it all: only the last chunks to come
+            now = time.monotonic()
+            if now > deadline or now - read.touched > CLAIM_STALL_S:
                 break
-            seen = read.received
         matches = (read.whole and headers.get(H_COUNT) == read.count and headers.get(H_SIZE) == read.size
                    and headers.get(H_DIGEST) == read.digest.hexdigest())
-        with self._lock:  # once, and not while it expires
-            if matches and not read.claimed and self._reads.get(read.blob) is read:
+        with self._lock:  # once, and not while it is given back
+            if matches and not read.claimed and not read.closing and self._reads.get(read.blob) is read:
                 read.claimed = True
+                read.touched = time.monotonic()
                 self.handed += 1
             else:
                 matches = False
@@ -170,12 +174,20 @@ class EarlyReads:
         return body, True
 
     def release(self, blob: str) -> None:
-        """Give the blob's chunks back to its queue, on the broker before this returns."""
-        self._end(blob, requeue=True)
+        """Give the blob's chunks back to its queue: on the broker before this returns, unless that
+        takes over RELEASE_WAIT_S (a reader that finds them held then tries again later: BlobHeld)."""
+        self._end(blob, requeue=True, wait=True)
 
     def forget(self, blob: str) -> None:
         """Its envelope is settled and its queue deleted: drop the read (no chunk goes back)."""
-        self._end(blob, requeue=False)
+        self._end(blob, requeue=False, wait=False)
+
+    def release_claimed(self) -> None:
+        """The bus's connection is lost: the envelopes of claimed reads come again, to be read anew."""
+        with self._lock:
+            claimed = [read.blob for read in self._reads.values() if read.claimed]
+        for blob in claimed:
+            self._end(blob, requeue=True, wait=False)
 
     def stop(self) -> None:
         with self._lock:
@@ -185,24 +197,31 @@ class EarlyReads:
             self._commands.put(lambda: None)
             thread.join(5)
 
-    def _end(self, blob: str, requeue: bool) -> None:
+    def _end(self, blob: str, requeue: bool, wait: bool) -> None:
+        """Close the read on its thread; it stays known (closing, not claimable) until it is closed,
+        so that a claim meanwhile knows its chunks are on their way back."""
         with self._lock:
-            read = self._reads.pop(blob, None)
-            thread = self._thread
-            if self._stopping:  # the thread is going or gone: its connection's close gives every chunk back
-                return
-        if read is None or thread is None:
-            return
+            read = self._reads.get(blob)
+            if read is None or self._thread is None or self._stopping:
+                return  # (stopping: the thread's connection closes, which gives every chunk back)
+            read.closing = True
         done = threading.Event()
 
         def end() -> None:
             try:
                 self._close(read, requeue)
             finally:
+                self._drop(read)
                 done.set()
 
         self._commands.put(end)
-        done.wait(10)
+        if wait:
+            done.wait(RELEASE_WAIT_S)
+
+    def _drop(self, read: _Read) -> None:
+        with self._lock:
+            if self._reads.get(read.blob) is read:
+                del self._reads[read.blob]
 
     # -- the thread -----------------------------------------------------------
 
@@ -248,8 +267,6 @@ class EarlyReads:
                 read.spool.mkdir(parents=True, exist_ok=True)
                 read.path = read.spool / f"early-{read.blob.removeprefix(BLOB_PREFIX)}.msg"
                 read.file = open(read.path, "wb")  # noqa: SIM115 - closed when the read ends
-            else:  # the size is bounded (start): no join of the chunks when the read ends
-                read.buffer = bytearray(read.size)
             read.behind = InOrder().__enter__()
             read.channel.basic_consume(
                 read.blob, lambda _ch, method, props, body: self._chunk(read, method, props, body)
@@ -270,7 +287,8 @@ class EarlyReads:
             self._fail(read, f"chunk {index} out of order or oversized (expected {read.received})")
             return
         assert read.behind is not None
-
+        if read.spool is None and read.buffer is None:  # made once chunks come: none is joined at the end
+            read.buffer = bytearray(read.size)
         at = read.nbytes
 
         def keep(chunk: bytes) -> None:  # on the read's own thread: hashlib and writes let go of the GIL
@@ -332,18 +350,27 @@ class EarlyReads:
         read.buffer = None
 
     def _expire(self) -> None:
+        """On the thread: a stalled read fails; a failed, unclaimed or long-claimed one is dropped,
+        its chunks given back."""
         now = time.monotonic()
         with self._lock:
             reads = list(self._reads.values())
         for read in reads:
-            if not read.ended.is_set() and now - read.touched > STALL_S:
-                self._fail(read, f"no chunk for {STALL_S:.0f} s")
-            elif read.ended.is_set() and now - read.touched > UNCLAIMED_S:
-                with self._lock:
-                    if read.claimed or self._reads.get(read.blob) is not read:
-                        continue
-                    del self._reads[read.blob]
-                self._close(read, requeue=True)
+            idle = now - read.touched
+            if not read.ended.is_set():
+                if idle > STALL_S:
+                    self._fail(read, f"no chunk for {STALL_S:.0f} s")
+                continue
+            limit = CLAIMED_S if read.claimed else FAILED_S if read.error else UNCLAIMED_S
+            if idle <= limit:
+                continue
+            with self._lock:  # not one a claim has just taken, nor one already being closed
+                taken = read.claimed != (limit == CLAIMED_S)  # claimed since `limit` was chosen
+                if taken or read.closing or self._reads.get(read.blob) is not read:
+                    continue
+                read.closing = True
+            self._close(read, requeue=True)
+            self._drop(read)
 
     def _lost(self, exc: Exception | None) -> None:
         """The connection is gone (exc), or the bus stops (None): the broker requeues every chunk

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pika
 import pika.exceptions
@@ -142,6 +142,8 @@ class RabbitBus(Bus):
 
     def _on_lost(self) -> None:
         self._consumers.ready.clear()
+        # Their envelopes come again, on the next connection, and are read anew.
+        self._early.release_claimed()
         # Replies to the old reply queue can never arrive: let waiting requests fail now.
         for future in list(self._waiters.values()):
             with contextlib.suppress(InvalidStateError):  # one its request just gave up on
@@ -273,8 +275,8 @@ class RabbitBus(Bus):
 
     def request(self, queue: str, body: bytes, *, timeout: float) -> bytes:
         reply = self._request(queue, body, timeout, None)
-        assert isinstance(reply, bytes | bytearray)  # a large one read early: bytes-like, unjoined
-        return cast(bytes, reply)
+        assert isinstance(reply, bytes)
+        return reply
 
     def request_large(
         self, queue: str, body: bytes, *, timeout: float, spool: Callable[[], Path]
@@ -342,7 +344,7 @@ class RabbitBus(Bus):
             patience_s = 2.0 if begun else 0.0  # chunks just given back may take a moment to count
             try:
                 if early is not None:
-                    reply = early if isinstance(early, Path) else cast(bytes, early)  # bytes-like, unjoined
+                    reply = early if isinstance(early, Path) else bytes(early)  # request() returns bytes
                     self._count_received(int(headers[H_SIZE]))
                 elif spool is None:
                     reply = self._blobs.read(headers, [], patience_s=patience_s)
@@ -355,8 +357,10 @@ class RabbitBus(Bus):
                 log.warning("reply_dropped", reason=f"{type(exc).__name__}: {exc}")
                 failed = exc
             finally:
-                self._blobs.delete(headers[H_BLOB])
-                self._early.forget(headers[H_BLOB])
+                try:
+                    self._blobs.delete(headers[H_BLOB])
+                finally:  # even when the connection went meanwhile: the read must not hold its chunks
+                    self._early.forget(headers[H_BLOB])
         ch.basic_ack(method.delivery_tag)
         future = self._waiters.pop(props.correlation_id or "", None)
         try:

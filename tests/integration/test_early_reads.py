@@ -15,11 +15,11 @@ import pytest
 
 from fedmq.common.bus import early, topology
 from fedmq.common.bus.base import Delivery
-from fedmq.common.bus.blob import BLOB_PREFIX, H_BLOB, H_COUNT, H_INDEX, H_SIZE
+from fedmq.common.bus.blob import BLOB_PREFIX, H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE
 from fedmq.common.settings import Settings
 from tests.integration.test_blob_leftovers import running
 from tests.integration.test_bus_contract import WAIT
-from tests.rabbit import fresh_vhost
+from tests.rabbit import dead_letters, fresh_vhost
 
 pytestmark = pytest.mark.rabbitmq  # every test here talks to a real broker
 
@@ -28,10 +28,12 @@ BODY = os.urandom(3 * 1024 * 1024 + 123)  # 49 chunks, the last one short
 
 
 def receive(
-    url: str, tmp_path: Path, *, spool: bool, handle: Any = None, count: int = 1
+    url: str, tmp_path: Path, *, spool: bool, handle: Any = None, count: int = 1, body: bytes = BODY,
+    handed: int | None = None, pause_s: float = 0.0,
 ) -> list[tuple[bytes, bool, int]]:
-    """Publish BODY to the aggregator's queue, `count` times; what a read_early consumer got each
-    time it was handed a message: (body bytes, whether it came from a file, read early so far)."""
+    """Publish `body` to the aggregator's queue, `count` times (`pause_s` apart); what a read_early
+    consumer got each time it was handed a message, `handed` times (default `count`): (body bytes,
+    whether it came from a file, read early so far)."""
     settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=FRAME)
     got: queue.Queue[tuple[bytes, bool, int]] = queue.Queue()
     with running(settings, "receiver") as rx, running(settings, "sender") as tx:
@@ -44,11 +46,12 @@ def receive(
         rx.consume(topology.AGGREGATOR, handler, spool=tmp_path / "spool" if spool else None, read_early=True)
         time.sleep(0.2)  # its notices' binding in place (consume returns before the loop has run it)
         for _ in range(count):
-            tx.publish(topology.AGGREGATOR, BODY)
+            tx.publish(topology.AGGREGATOR, body)
+            time.sleep(pause_s)
         results: list[tuple[bytes, bool, int]] = []
         try:
-            while True:
-                results.append(got.get(timeout=WAIT if len(results) < count else 1.0))
+            while True:  # and a moment more: nothing else comes
+                results.append(got.get(timeout=WAIT if len(results) < (handed or count) else 1.0))
         except queue.Empty:
             pass
     return results
@@ -86,7 +89,7 @@ def test_a_message_given_back_after_its_early_read_is_read_again_whole(tmp_path:
         delivery.requeue() if len(seen) == 1 else delivery.ack()
 
     with fresh_vhost() as url:
-        first, second = receive(url, tmp_path, spool=True, handle=requeue_the_first)
+        first, second = receive(url, tmp_path, spool=True, handle=requeue_the_first, handed=2)
         assert first[0] == BODY and first[2] == 1, "the first time, from its early read"
         assert second[0] == BODY and second[2] == 1, "then read again from its chunks, given back whole"
 
@@ -154,9 +157,65 @@ def test_a_large_reply_is_read_while_it_is_sent(tmp_path: Path, large: bool) -> 
             answerer.consume(topology.MODEL, answer)
             time.sleep(0.2)
             if large:
-                got = asker.request_large(topology.MODEL, b"?", timeout=WAIT, spool=lambda: tmp_path / "models")
+                folder = tmp_path / "models"
+                got = asker.request_large(topology.MODEL, b"?", timeout=WAIT, spool=lambda: folder)
                 assert isinstance(got, Path) and got.parent == tmp_path / "models"
                 body = got.read_bytes()
             else:
-                body = bytes(asker.request(topology.MODEL, b"?", timeout=WAIT))
+                body = asker.request(topology.MODEL, b"?", timeout=WAIT)
+                assert type(body) is bytes, "request() returns bytes, as its callers check"
             assert body == BODY and asker.blobs_read_early == 1
+
+
+def test_every_one_of_many_large_messages_is_read_early_none_holding_a_read(tmp_path: Path) -> None:
+    body = BODY[: 5 * FRAME]
+    with fresh_vhost() as url:
+        got = receive(url, tmp_path, spool=True, count=early.MAX_READS + 4, body=body, pause_s=0.1)
+        assert [seen for seen, _, _ in got] == [body] * (early.MAX_READS + 4)
+        assert got[-1][2] == early.MAX_READS + 4, "each settled read gave its place back"
+
+
+def test_an_early_read_whose_digest_is_not_its_envelopes_is_refused_as_before(tmp_path: Path) -> None:
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=FRAME)
+        handled: list[Delivery] = []
+        with running(settings, "receiver") as rx:
+            rx.consume(topology.AGGREGATOR, handled.append, spool=tmp_path / "spool", read_early=True)
+            time.sleep(0.2)
+            blob, count = send_without_envelope(url, 4)
+            conn = pika.BlockingConnection(pika.URLParameters(url))
+            envelope = {H_BLOB: blob, H_COUNT: count, H_SIZE: count * FRAME, H_DIGEST: "0" * 64}
+            conn.channel().basic_publish(topology.EXCHANGES[topology.AGGREGATOR], topology.AGGREGATOR, b"",
+                                         pika.BasicProperties(delivery_mode=2, headers=envelope))
+            conn.close()
+            deadline = time.monotonic() + WAIT
+            dead: list[tuple[dict[str, Any], bytes]] = []
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.1)
+                dead = dead_letters(url)
+            assert handled == [] and rx.blobs_read_early == 0
+            assert [headers["x-fedmq-reason"] for headers, _ in dead] == ["blob: digest mismatch"]
+
+
+def test_chunks_given_back_slowly_are_waited_for_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release that outlasts its wait leaves chunks held: the envelope is tried again later."""
+    monkeypatch.setattr(early, "RELEASE_WAIT_S", 0.2)
+    close = early.EarlyReads._close
+
+    def slow_close(self: early.EarlyReads, read: Any, requeue: bool) -> None:
+        time.sleep(3.0)  # longer than the release waits, and than the reader's patience after it
+        close(self, read, requeue)
+
+    monkeypatch.setattr(early.EarlyReads, "_close", slow_close)
+    seen: list[Delivery] = []
+
+    def requeue_the_first(delivery: Delivery) -> None:
+        seen.append(delivery)
+        delivery.requeue() if len(seen) == 1 else delivery.ack()
+
+    with fresh_vhost() as url:
+        got = receive(url, tmp_path, spool=True, handle=requeue_the_first, handed=2)
+        assert [body == BODY for body, _, _ in got] == [True, True]
+        assert dead_letters(url) == []

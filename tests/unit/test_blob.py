@@ -69,7 +69,7 @@ class FakeChannel:
             self.is_open = False
             raise pika.exceptions.ChannelClosedByBroker(404, f"NOT_FOUND - no queue '{queue}'")
         ready = len(self.queues.setdefault(queue, deque()))
-        return SimpleNamespace(method=SimpleNamespace(queue=queue, message_count=ready))
+        return SimpleNamespace(method=SimpleNamespace(queue=queue, message_count=ready, consumer_count=0))
 
     def queue_bind(self, queue: str, exchange: str, routing_key: str) -> None:
         self.bound.add((exchange, routing_key, queue))
