@@ -7,7 +7,8 @@ publish call to the moment a consumer in another process holds the whole body:
     fedmq     RabbitBus.publish to fedmq.aggregator: 4 MiB chunks in 16 MiB transactions on a
               blob queue, then the envelope, confirmed (the body sent joined; a learner sends
               its parts, the same bytes); a RabbitBus consumer reads the chunks (order, size and
-              digest checked) into one body in memory.
+              digest checked) into one body in memory, early (bus/early.py): while they are
+              sent, as the aggregator reads updates; it holds the body once the envelope comes.
     raw pika  the same bytes in the same 4 MiB chunks, persistent and confirmed, published with
               BlockingConnection to a durable classic queue, while a BlockingConnection consumer
               (prefetch 8) takes them and joins them: producer and consumer concurrent, pika's
