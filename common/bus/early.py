@@ -1,7 +1,7 @@
 """Reading a blob while it is sent: its chunks taken as they arrive, before their envelope comes.
 
     sender ──notice (blob, count, size)──▶ fedmq.x.blob, key fedmq.early.<destination's key>
-           ──chunks, committed and counted──▶ fedmq.blob.<id>        (blob.py, unchanged)
+           ──chunks, committed, none returned──▶ fedmq.blob.<id>     (blob.py)
            ──envelope──▶ destination
     a consumer that reads early (consume(..., read_early=True): a queue this bus alone consumes;
     and every bus's own reply queue, for a large reply)
@@ -14,8 +14,8 @@
         settled ──▶ the blob queue deleted (blob.py), the read forgotten
 
 What a receiver accepts is unchanged: an envelope still comes only after every chunk is committed
-and counted, and a body is handed over only whole and with the envelope's digest. So the time a
-large message takes is the sender's, not the sender's and then the reader's.
+(none returned as unroutable), and a body is handed over only whole and with the envelope's
+digest. So the time a large message takes is the sender's, not the sender's and then the reader's.
 
 An early read never acks a chunk: if its process dies the broker requeues them, and the
 envelope, redelivered, is read again. A notice is a hint: lost, refused, late or beyond
@@ -24,8 +24,10 @@ whole and unclaimed for UNCLAIMED_S (its sender died before the envelope), gives
 back; so does a claimed one whose envelope was never settled here (CLAIMED_S, or at once when
 the bus's connection is lost: the envelope comes again). Chunks given back more slowly than a
 reader waits for them are never taken for lost: the envelope goes back to its queue for a
-moment (blob.BlobHeld), counted by the delivery limit. The reads run on another thread so that one slow upload never holds up the bus's
-other messages; the envelope is only claimed once the sender has sent it all.
+moment (blob.BlobHeld), counted by the delivery limit.
+
+The reads run on another thread so that one slow upload never holds up the bus's other
+messages; the envelope is only claimed once the sender has sent it all.
 
 A notice is trusted no more than a chunk: one naming another receiver's blob makes this reader
 hold those chunks until it gives them back, which any broker user who may read blob queues
