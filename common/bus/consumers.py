@@ -308,8 +308,10 @@ class Consumers:
         delivery._settled = True
         ch = self._link.channel
         if delivery._generation != self._link.generation or ch is None:
-            # The connection it came on is gone; the broker has already requeued it.
+            # The connection it came on is gone; the broker has already requeued it, to be read anew.
             log.info("settle_skipped_stale_delivery", queue=delivery.queue, outcome=outcome)
+            if delivery.body_path is not None:
+                delivery.body_path.unlink(missing_ok=True)
             return
         if outcome == "reject":
             self._dead_letter(delivery, reason)
@@ -323,13 +325,15 @@ class Consumers:
             ch.basic_nack(delivery._tag, requeue=True)
         else:
             ch.basic_ack(delivery._tag)
-        if delivery._blob is not None and outcome != "requeue":
-            try:
-                self._blobs.delete(delivery._blob)
-            finally:  # even when the connection went meanwhile: the read must not hold its chunks
-                self._early.forget(delivery._blob)
-        if delivery.body_path is not None:
-            delivery.body_path.unlink(missing_ok=True)
+        try:
+            if delivery._blob is not None and outcome != "requeue":
+                try:
+                    self._blobs.delete(delivery._blob)
+                finally:  # even when the connection went meanwhile: the read must not hold its chunks
+                    self._early.forget(delivery._blob)
+        finally:
+            if delivery.body_path is not None:
+                delivery.body_path.unlink(missing_ok=True)
 
     def _dead_letter(self, delivery: RabbitDelivery, reason: str) -> None:
         assert self._link.channel is not None

@@ -62,10 +62,13 @@ STALL_S = 120.0  # an early read whose chunks stop coming this long gives them b
 UNCLAIMED_S = 120.0  # a whole early read no envelope claims this long gives its chunks back
 CLAIMED_S = 3600.0  # a claimed read whose envelope never settles here (its connection lost) gives them back
 FAILED_S = 10.0  # a failed read is remembered this long: a claim then waits for its chunks to be counted
-CLAIM_STALL_S = 10.0  # a claim waits while chunks come; this long without one, it reads as before
-CLAIM_MAX_S = 60.0  # and never longer than this in all: the bus's thread waits meanwhile
-RELEASE_WAIT_S = 10.0  # how long a release waits for the chunks to be back on the broker
+# The bus's thread waits in a claim and a release, its connection silent meanwhile: together they
+# stay well under a heartbeat's timeout (FEDMQ_HEARTBEAT_S, 30 s by default).
+CLAIM_STALL_S = 5.0  # a claim waits while chunks come; this long without one, it reads as before
+CLAIM_MAX_S = 10.0  # and never longer than this in all
+RELEASE_WAIT_S = 5.0  # how long a release waits for the chunks to be back on the broker
 TICK_S = 0.01  # how long the thread waits on the broker before it looks at its commands
+IDLE_S = 0.1  # how long it waits for a command with reads but no connection (none to wait on)
 
 
 def notice_key(destination: str) -> str:
@@ -150,6 +153,8 @@ class EarlyReads:
             read = self._reads.get(blob) if isinstance(blob, str) else None
         if read is None:
             return None, False
+        if read.closing:  # its chunks are on their way back: never handed over
+            return None, True
         deadline = time.monotonic() + CLAIM_MAX_S
         while not read.ended.wait(0.5):  # the sender has sent it all: only the last chunks to come
             now = time.monotonic()
@@ -181,7 +186,8 @@ class EarlyReads:
         self._end(blob, requeue=True, wait=True)
 
     def forget(self, blob: str) -> None:
-        """Its envelope is settled and its queue deleted: drop the read (no chunk goes back)."""
+        """Its envelope is settled and its queue deleted: drop the read (the chunks it holds go
+        with the queue; had the deletion failed, closing its channel gives them back)."""
         self._end(blob, requeue=False, wait=False)
 
     def release_claimed(self) -> None:
@@ -204,8 +210,9 @@ class EarlyReads:
         so that a claim meanwhile knows its chunks are on their way back."""
         with self._lock:
             read = self._reads.get(blob)
-            if read is None or self._thread is None or self._stopping:
-                return  # (stopping: the thread's connection closes, which gives every chunk back)
+            if read is None or self._thread is None or self._stopping or read.closing:
+                return  # (stopping: the thread's connection closes, which gives every chunk back;
+                # closing: a close is under way, which a reader that finds chunks held waits for)
             read.closing = True
         done = threading.Event()
 
@@ -233,8 +240,9 @@ class EarlyReads:
                 if self._stopping:
                     break
                 busy = bool(self._reads)
-            try:
-                command: Callable[[], None] | None = self._commands.get(block=not busy, timeout=1.0)
+            try:  # with reads, the broker is waited on below; with none to wait on, the commands
+                wait = 1.0 if not busy else IDLE_S if self._conn is None else 0.0
+                command: Callable[[], None] | None = self._commands.get(block=wait > 0, timeout=wait or None)
             except queue.Empty:
                 command = None
             try:
@@ -327,6 +335,7 @@ class EarlyReads:
         if read.ended.is_set():
             return
         read.error = error
+        read.touched = time.monotonic()  # FAILED_S counts from here
         # Closed after this callback returns, before any command that comes after (a release).
         self._commands.put(lambda: self._close(read, requeue=True))
         read.ended.set()
@@ -371,8 +380,10 @@ class EarlyReads:
                 if taken or read.closing or self._reads.get(read.blob) is not read:
                     continue
                 read.closing = True
-            self._close(read, requeue=True)
-            self._drop(read)
+            try:
+                self._close(read, requeue=True)
+            finally:
+                self._drop(read)
 
     def _lost(self, exc: Exception | None) -> None:
         """The connection is gone (exc), or the bus stops (None): the broker requeues every chunk

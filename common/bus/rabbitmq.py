@@ -31,7 +31,15 @@ from pika.adapters.blocking_connection import BlockingChannel
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body, Bus, Delivery, EventHandler, Handler, Timer
 from fedmq.common.bus.batch import BatchPublisher
-from fedmq.common.bus.blob import H_BLOB, H_SIZE, BlobIncomplete, BlobReader, BlobWriter, DecodeBlobError
+from fedmq.common.bus.blob import (
+    H_BLOB,
+    H_SIZE,
+    BlobHeld,
+    BlobIncomplete,
+    BlobReader,
+    BlobWriter,
+    DecodeBlobError,
+)
 from fedmq.common.bus.connection import BrokerConnection, connection_parameters
 from fedmq.common.bus.consumers import Consumers
 from fedmq.common.bus.early import EarlyReads, notice_key
@@ -350,6 +358,9 @@ class RabbitBus(Bus):
                     reply = self._blobs.read(headers, [], patience_s=patience_s)
                 else:
                     reply = self._blobs.read_to_file(headers, spool(), [], sync=False, patience_s=patience_s)
+            except BlobHeld as exc:  # chunks still held (a slow release): the asker asks again
+                log.warning("reply_dropped", reason=str(exc))
+                failed = ConnectionError(f"a large reply's chunks were held: {exc}")
             except DecodeBlobError as exc:
                 log.warning("reply_dropped", reason=str(exc))
                 reply = b""
@@ -359,7 +370,11 @@ class RabbitBus(Bus):
             finally:
                 try:
                     self._blobs.delete(headers[H_BLOB])
-                finally:  # even when the connection went meanwhile: the read must not hold its chunks
+                except BaseException:  # the connection went: this reply is nobody's now
+                    if isinstance(reply, Path):
+                        reply.unlink(missing_ok=True)
+                    raise
+                finally:  # even then: the read must not hold its chunks
                     self._early.forget(headers[H_BLOB])
         ch.basic_ack(method.delivery_tag)
         future = self._waiters.pop(props.correlation_id or "", None)
