@@ -219,3 +219,34 @@ def test_chunks_given_back_slowly_are_waited_for_not_refused(
         got = receive(url, tmp_path, spool=True, handle=requeue_the_first, handed=2)
         assert [body == BODY for body, _, _ in got] == [True, True]
         assert dead_letters(url) == []
+
+
+def test_a_large_reply_whose_chunks_are_still_held_fails_its_request_to_be_asked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its early read does not match (a lying notice) and gives the chunks back slower than every
+    wait: the asker is told to ask again, never handed an empty body."""
+    monkeypatch.setattr(early, "RELEASE_WAIT_S", 0.2)
+    start, close = early.EarlyReads.start, early.EarlyReads._close
+
+    def lying_notice(self: early.EarlyReads, headers: dict[str, Any], spool: Path | None, sync: bool) -> None:
+        start(self, {**headers, H_SIZE: headers[H_SIZE] + 1}, spool, sync)
+
+    def slow_close(self: early.EarlyReads, read: Any, requeue: bool) -> None:
+        time.sleep(3.0)
+        close(self, read, requeue)
+
+    monkeypatch.setattr(early.EarlyReads, "start", lying_notice)
+    monkeypatch.setattr(early.EarlyReads, "_close", slow_close)
+    with fresh_vhost() as url:
+        settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=FRAME)
+        with running(settings, "asker") as asker, running(settings, "answerer") as answerer:
+
+            def answer(delivery: Delivery) -> None:
+                answerer.reply(delivery, BODY)
+                delivery.ack()
+
+            answerer.consume(topology.MODEL, answer)
+            time.sleep(0.2)
+            with pytest.raises(ConnectionError, match="held"):
+                asker.request(topology.MODEL, b"?", timeout=WAIT)
