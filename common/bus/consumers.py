@@ -32,7 +32,7 @@ from fedmq.common.bus import topology
 from fedmq.common.bus.base import Delivery, EventHandler, Handler
 from fedmq.common.bus.blob import H_BLOB, H_SIZE, BlobHeld, BlobReader, DecodeBlobError
 from fedmq.common.bus.connection import PIKA_ERRORS, BrokerConnection
-from fedmq.common.bus.early import EarlyReads, notice_key
+from fedmq.common.bus.early import RECOUNT_S, EarlyReads, notice_key
 
 log = structlog.get_logger("fedmq.bus")
 
@@ -234,25 +234,13 @@ class Consumers:
         if delivery._settled or delivery._generation != self._link.generation:
             return  # a spool retry for a delivery the broker has taken back with its connection
         if delivery._blob is not None:
-            tags = delivery._chunk_tags
-            early, begun = self._early.claim(delivery.headers) if consumer.read_early else (None, False)
-            # Chunks an early read has just given back may take a moment to be counted again.
-            patience_s = 2.0 if begun else 0.0
             try:
-                if isinstance(early, Path):
-                    delivery.body_path = early
-                    self._on_bytes(int(delivery.headers[H_SIZE]))
-                elif early is not None:
-                    # A bytearray, filled as the chunks came: read like bytes, never joined (a copy
-                    # of the whole body, a tenth of a second at 200 MB).
-                    delivery.body = cast(bytes, early)
-                    self._on_bytes(len(early))
-                elif consumer.spool is not None:
-                    delivery.body_path = self._blobs.read_to_file(
-                        delivery.headers, consumer.spool, tags, patience_s=patience_s
-                    )
-                else:
-                    delivery.body = self._blobs.read(delivery.headers, tags, patience_s=patience_s)
+                body = self.read_blob(delivery.headers, consumer.spool, delivery._chunk_tags, sync=True,
+                                      early=consumer.read_early)
+                if isinstance(body, Path):
+                    delivery.body_path = body
+                else:  # from an early read a bytearray, filled as the chunks came: read like bytes,
+                    delivery.body = cast(bytes, body)  # never joined (a tenth of a second at 200 MB)
             except BlobHeld as exc:  # back in its queue after a moment: counted by the delivery limit
                 log.info("blob_held", queue=consumer.queue, detail=str(exc))
                 self._link.call_later(HELD_RETRY_S, lambda: delivery.requeue() if delivery.live() else None)
@@ -274,6 +262,21 @@ class Consumers:
                 raise ConnectionError(f"connection lost in the {consumer.queue} handler: {exc!r}") from exc
             log.exception("handler_crashed", queue=consumer.queue)
             delivery.reject(f"handler_error: {type(exc).__name__}")
+
+    def read_blob(
+        self, headers: dict[str, Any], spool: Path | None, tags: list[int], *, sync: bool, early: bool
+    ) -> bytes | bytearray | Path:
+        """On the loop: a blob's body, taken from its early read when that is whole (`early`), else
+        read from its queue (the chunks taken added to `tags`); into a new file in `spool`, or memory.
+        BlobHeld, DecodeBlobError, OSError: as BlobReader says."""
+        body, begun = self._early.claim(headers) if early else (None, False)
+        if body is not None:
+            self._on_bytes(int(headers[H_SIZE]))
+            return body
+        patience_s = RECOUNT_S if begun else 0.0  # chunks just given back may take a moment to count
+        if spool is None:
+            return self._blobs.read(headers, tags, patience_s=patience_s)
+        return self._blobs.read_to_file(headers, spool, tags, sync=sync, patience_s=patience_s)
 
     def _spool_failed(self, consumer: _Consumer, delivery: RabbitDelivery, exc: OSError) -> None:
         """Chunks back to their queue, the envelope kept unacked (the queue waits), read again later."""

@@ -67,6 +67,7 @@ FAILED_S = 10.0  # a failed read is remembered this long: a claim then waits for
 CLAIM_STALL_S = 5.0  # a claim waits while chunks come; this long without one, it reads as before
 CLAIM_MAX_S = 10.0  # and never longer than this in all
 RELEASE_WAIT_S = 5.0  # how long a release waits for the chunks to be back on the broker
+RECOUNT_S = 2.0  # how long a reader then gives those chunks to be counted in their queue again
 TICK_S = 0.01  # how long the thread waits on the broker before it looks at its commands
 IDLE_S = 0.1  # how long it waits for a command with reads but no connection (none to wait on)
 

@@ -33,7 +33,6 @@ from fedmq.common.bus.base import Body, Bus, Delivery, EventHandler, Handler, Ti
 from fedmq.common.bus.batch import BatchPublisher
 from fedmq.common.bus.blob import (
     H_BLOB,
-    H_SIZE,
     BlobHeld,
     BlobIncomplete,
     BlobReader,
@@ -348,16 +347,10 @@ class RabbitBus(Bus):
         failed: OSError | None = None
         if H_BLOB in headers:
             spool = self._spools.get(props.correlation_id or "")
-            early, begun = self._early.claim(headers)
-            patience_s = 2.0 if begun else 0.0  # chunks just given back may take a moment to count
+            folder = spool() if spool is not None else None
             try:
-                if early is not None:
-                    reply = early if isinstance(early, Path) else bytes(early)  # request() returns bytes
-                    self._count_received(int(headers[H_SIZE]))
-                elif spool is None:
-                    reply = self._blobs.read(headers, [], patience_s=patience_s)
-                else:
-                    reply = self._blobs.read_to_file(headers, spool(), [], sync=False, patience_s=patience_s)
+                got = self._consumers.read_blob(headers, folder, [], sync=False, early=True)
+                reply = bytes(got) if isinstance(got, bytearray) else got  # request() returns bytes
             except BlobHeld as exc:  # chunks still held (a slow release): the asker asks again
                 log.warning("reply_dropped", reason=str(exc))
                 failed = ConnectionError(f"a large reply's chunks were held: {exc}")
