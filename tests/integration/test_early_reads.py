@@ -7,6 +7,8 @@ import hashlib
 import os
 import queue
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 from fedmq.common.bus import early, topology
 from fedmq.common.bus.base import Delivery
 from fedmq.common.bus.blob import BLOB_PREFIX, H_BLOB, H_COUNT, H_DIGEST, H_INDEX, H_SIZE
+from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.settings import Settings
 from tests.integration.test_blob_leftovers import running
 from tests.integration.test_bus_contract import WAIT
@@ -144,27 +147,33 @@ def test_chunks_an_early_read_holds_go_back_when_no_envelope_comes(
             assert not list((tmp_path / "spool").glob("*")), "its file removed"
 
 
+@contextmanager
+def asking(url: str, tmp_path: Path) -> Iterator[RabbitBus]:
+    """A bus to ask from, and another answering every request on the model queue with BODY."""
+    settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=FRAME)
+    with running(settings, "asker") as asker, running(settings, "answerer") as answerer:
+
+        def answer(delivery: Delivery) -> None:
+            answerer.reply(delivery, BODY)
+            delivery.ack()
+
+        answerer.consume(topology.MODEL, answer)
+        time.sleep(0.2)  # its consumer in place (consume returns before the loop has run it)
+        yield asker
+
+
 @pytest.mark.parametrize("large", [False, True], ids=["request", "request_large into a file"])
 def test_a_large_reply_is_read_while_it_is_sent(tmp_path: Path, large: bool) -> None:
-    with fresh_vhost() as url:
-        settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=FRAME)
-        with running(settings, "asker") as asker, running(settings, "answerer") as answerer:
-
-            def answer(delivery: Delivery) -> None:
-                answerer.reply(delivery, BODY)
-                delivery.ack()
-
-            answerer.consume(topology.MODEL, answer)
-            time.sleep(0.2)
-            if large:
-                folder = tmp_path / "models"
-                got = asker.request_large(topology.MODEL, b"?", timeout=WAIT, spool=lambda: folder)
-                assert isinstance(got, Path) and got.parent == tmp_path / "models"
-                body = got.read_bytes()
-            else:
-                body = asker.request(topology.MODEL, b"?", timeout=WAIT)
-                assert type(body) is bytes, "request() returns bytes, as its callers check"
-            assert body == BODY and asker.blobs_read_early == 1
+    with fresh_vhost() as url, asking(url, tmp_path) as asker:
+        if large:
+            folder = tmp_path / "models"
+            got = asker.request_large(topology.MODEL, b"?", timeout=WAIT, spool=lambda: folder)
+            assert isinstance(got, Path) and got.parent == tmp_path / "models"
+            body = got.read_bytes()
+        else:
+            body = asker.request(topology.MODEL, b"?", timeout=WAIT)
+            assert type(body) is bytes, "request() returns bytes, as its callers check"
+        assert body == BODY and asker.blobs_read_early == 1
 
 
 def test_every_one_of_many_large_messages_is_read_early_none_holding_a_read(tmp_path: Path) -> None:
@@ -238,15 +247,6 @@ def test_a_large_reply_whose_chunks_are_still_held_fails_its_request_to_be_asked
 
     monkeypatch.setattr(early.EarlyReads, "start", lying_notice)
     monkeypatch.setattr(early.EarlyReads, "_close", slow_close)
-    with fresh_vhost() as url:
-        settings = Settings(broker_url=url, state_dir=tmp_path, frame_bytes=FRAME)
-        with running(settings, "asker") as asker, running(settings, "answerer") as answerer:
-
-            def answer(delivery: Delivery) -> None:
-                answerer.reply(delivery, BODY)
-                delivery.ack()
-
-            answerer.consume(topology.MODEL, answer)
-            time.sleep(0.2)
-            with pytest.raises(ConnectionError, match="held"):
-                asker.request(topology.MODEL, b"?", timeout=WAIT)
+    with (fresh_vhost() as url, asking(url, tmp_path) as asker,
+          pytest.raises(ConnectionError, match="held")):
+        asker.request(topology.MODEL, b"?", timeout=WAIT)
