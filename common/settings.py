@@ -210,11 +210,23 @@ class Settings(BaseSettings):
         "learner,guest",
         description="broker users whose updates, evaluations, failures and heartbeats are taken",
     )
+    console_host: str = Field(
+        "127.0.0.1", description="`fedmq console`: the address it listens on; 0.0.0.0 only behind a proxy "
+        "that adds TLS, or in a container whose port is published to 127.0.0.1",
+    )
+    console_port: int = Field(8080, gt=0, lt=65536, description="`fedmq console`: its HTTP port")
+    console_token: SecretStr | None = Field(
+        None, description="`fedmq console`: the token that logs in (at least 16 characters); prefer "
+        "FEDMQ_CONSOLE_TOKEN_FILE. The console refuses to start without one",
+    )
+    console_token_file: Path | None = Field(
+        None, description="`fedmq console`: a file holding its login token (a Docker or Kubernetes secret)",
+    )
     cli_users: str = Field(
         "cli,guest", description="broker users whose job submissions, cancels and status requests are taken",
     )
 
-    @field_validator("dp_key", "state_key")
+    @field_validator("dp_key", "state_key", "console_token")
     @classmethod
     def _secret(cls, value: SecretStr | None) -> SecretStr | None:
         """An empty key (compose's `${LEARNER_DP_KEY:-}` left unset) is no key."""
@@ -302,6 +314,25 @@ class Settings(BaseSettings):
             self.tls_ca_file, self.tls_cert_file, self.tls_key_file, verify_hostname=self.tls_verify_hostname
         )
 
+    def console_token_value(self) -> str:
+        """The console's login token, from FEDMQ_CONSOLE_TOKEN_FILE (read now) or FEDMQ_CONSOLE_TOKEN;
+        ConfigError saying what to set when there is none or it is short."""
+        if self.console_token_file is not None and self.console_token is not None:
+            raise ConfigError("FEDMQ_CONSOLE_TOKEN and FEDMQ_CONSOLE_TOKEN_FILE are both set: keep one")
+        if self.console_token_file is not None:
+            token = read_password_file(self.console_token_file, "FEDMQ_CONSOLE_TOKEN_FILE")
+        elif self.console_token is not None:
+            token = self.console_token.get_secret_value()
+        else:
+            raise ConfigError(
+                "the console needs a login token and has no default one: set FEDMQ_CONSOLE_TOKEN_FILE to a "
+                "file holding a long random string (e.g. `python -c 'import secrets; "
+                "print(secrets.token_urlsafe(32))' > console.token`), or FEDMQ_CONSOLE_TOKEN"
+            )
+        if len(token) < 16:
+            raise ConfigError("the console's token must be at least 16 characters: a long random string")
+        return token
+
     def broker_password_value(self) -> str | None:
         """The password of FEDMQ_BROKER_PASSWORD_FILE (read now) or FEDMQ_BROKER_PASSWORD; None: neither."""
         if self.broker_password_file is not None:
@@ -377,16 +408,16 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
-def read_password_file(path: Path) -> str:
+def read_password_file(path: Path, setting: str = "FEDMQ_BROKER_PASSWORD_FILE") -> str:
     """The password in a file, without its trailing newline; ConfigError (never the content) if unusable."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"FEDMQ_BROKER_PASSWORD_FILE={path}: cannot read it ({why})") from None
+        raise ConfigError(f"{setting}={path}: cannot read it ({why})") from None
     password = text.rstrip("\r\n")
     if not password:
-        raise ConfigError(f"FEDMQ_BROKER_PASSWORD_FILE={path}: the file is empty")
+        raise ConfigError(f"{setting}={path}: the file is empty")
     return password
 
 

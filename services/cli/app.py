@@ -83,30 +83,38 @@ def main(
 
 
 def load_spec(job: Path, rounds: int | None, seed: int | None, settings: Settings) -> JobSpec:
-    """The job spec with the command line's overrides; exit 2 with the reason if it is invalid.
-
-    Its Task and strategy are imported here to check their options: from fedmq's built-ins,
-    FEDMQ_ALLOWED_CODE's prefixes, or the user's project (allowlist.AllowList.project).
-    """
-
-    overrides: dict[str, Any] = {}
-    if rounds is not None:
-        overrides["rounds"] = rounds
-    if seed is not None:
-        overrides["seed"] = seed
+    """The job spec with the command line's overrides; exit 2 with the reason if it is invalid."""
     try:
-        spec = load_job(job, overrides)
-        from fedmq.common.jobcheck import complete_spec  # imports the Task: after the cheap checks
-
-        allowed = project_code(settings, job)
-        spec = complete_spec(spec, allowed)
-        check_task(spec, allowed)
-        return spec
+        return check_spec(job, settings, rounds=rounds, seed=seed)
     except ConfigError as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         if not isinstance(exc, SetupError):  # the spec's own text is at fault, not a file or module
             err.print("Fix the job spec and run again; see examples/ for valid specs.")
         raise typer.Exit(EXIT_USAGE) from None
+
+
+def check_spec(
+    job: Path, settings: Settings, *, rounds: int | None = None, seed: int | None = None,
+    project: Path | None = None,
+) -> JobSpec:
+    """`fedmq submit`'s checks of a job spec file, the console's too; ConfigError saying what is wrong.
+
+    Its Task and strategy are imported here to check their options: from fedmq's built-ins,
+    FEDMQ_ALLOWED_CODE's prefixes, or the user's project (allowlist.AllowList.project): the folder
+    around the spec, or `project`.
+    """
+    overrides: dict[str, Any] = {}
+    if rounds is not None:
+        overrides["rounds"] = rounds
+    if seed is not None:
+        overrides["seed"] = seed
+    spec = load_job(job, overrides)
+    from fedmq.common.jobcheck import complete_spec  # imports the Task: after the cheap checks
+
+    allowed = AllowList.project(settings.allowed_prefixes, spec_dir=(project or job.resolve().parent))
+    spec = complete_spec(spec, allowed)
+    check_task(spec, allowed)
+    return spec
 
 
 def check_task(spec: JobSpec, allowed: AllowList) -> None:

@@ -44,11 +44,11 @@ class Remote:
     instead of a RabbitMQ connection of its own; the `with` block then neither opens nor stops it.
     """
 
-    def __init__(self, settings: Settings, bus: Bus | None = None) -> None:
+    def __init__(self, settings: Settings, bus: Bus | None = None, name: str = "fedmq-cli") -> None:
         self.settings = settings
         self._own: RabbitBus | None = None
         if bus is None:
-            bus = self._own = bus_of_process(settings, "fedmq-cli")
+            bus = self._own = bus_of_process(settings, name)
         self.bus = bus
         self._thread = threading.Thread(target=self.bus.run, name="cli-bus", daemon=True)
 
@@ -149,13 +149,23 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
 
 def rounds_table(history: list[dict[str, Any]]) -> Table:
     """One job's rounds: a column per metric any round reported (source.name), then timing."""
+    header, rows = round_cells(history)
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def round_cells(history: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The rounds as text cells (the CLI's table and the console's): round, clients, failed, a column
+    per metric any round reported (source.name, "-" where a round has none), seconds."""
     names = sorted({name for record in history for name in flat(record)})
-    table = Table("round", "clients", "failed", *names, "seconds")
+    rows = []
     for record in history:
         metrics = flat(record)
-        table.add_row(
+        rows.append([
             str(record["round"]), str(record.get("clients", "-")), str(record.get("failed", "-")),
             *("-" if n not in metrics else f"{metrics[n]:.4f}" for n in names),
             f"{record.get('seconds', 0.0):.2f}",
-        )
-    return table
+        ])
+    return ["round", "clients", "failed", *names, "seconds"], rows

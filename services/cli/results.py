@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 from rich.markup import escape
 
+from fedmq.common.errors import ConfigError, FedmqError
 from fedmq.common.logging import configure_logging
 from fedmq.services.cli.app import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, app, err, make_settings
 from fedmq.services.cli.cluster import _remote_errors
@@ -58,36 +59,65 @@ def download(
     remote: Remote, job_id: str, which: Which, out: Path | None = None
 ) -> tuple[JobHistory, dict[str, Any], Path]:
     """Fetch `which` model of the job and write it: the job, the round's record and the file; or exit."""
-    from fedmq.common.checkpoint import save_model
-    from fedmq.common.errors import ConfigError, StateUnwritable
-    from fedmq.common.jobspec import canonical_json, parse_job
-    from fedmq.services.cli.remote import AggregatorSilent, ModelUnavailable
+    from fedmq.common.errors import StateUnwritable
 
-    job = _job(remote, job_id)
     try:
-        record = pick(job, which)
-    except LookupError as exc:
-        _fail(str(exc), EXIT_USAGE)
-    if job.spec is None:
-        _fail("the scheduler's answer has no job spec to write into the file: upgrade the scheduler to "
-              "this fedmq", EXIT_FAILED)
-    try:
-        spec = parse_job(dict(job.spec))
-    except ConfigError as exc:
-        _fail(f"this fedmq cannot read the job's spec: {exc}", EXIT_FAILED)
-    try:
-        weights = remote.model(job_id, str(record["model_digest"]))
-    except AggregatorSilent as exc:
-        _fail(str(exc), EXIT_UNREACHABLE)
-    except ModelUnavailable as exc:
-        _fail(_unavailable(job_id, int(record["round"]), exc.reason), EXIT_FAILED)
+        job, record, weights, spec_json = fetch_model(remote, job_id, which)
+    except Unfetchable as exc:
+        _fail(str(exc), exc.code)
     path = out or Path(f"{job_id}{_suffix(which)}.safetensors")
     try:
-        save_model(path, weights, canonical_json(spec), job_id=job_id, round=record["round"],
-                   metrics=record.get("metrics", {}))
+        save_fetched(path, job_id, record, weights, spec_json)
     except StateUnwritable as exc:
         _fail(str(exc), EXIT_FAILED)
     return job, record, path
+
+
+class Unfetchable(FedmqError):
+    """A job's model cannot be had; `code` is the exit code `fedmq model` gives it."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def fetch_model(
+    remote: Remote, job_id: str, which: Which
+) -> tuple[JobHistory, dict[str, Any], dict[str, Any], str]:
+    """`which` model of the job from the aggregator: the job, the round's record, the weights and the
+    spec to write beside them (canonical JSON); Unfetchable saying why not (the console's too)."""
+    from fedmq.common.jobspec import canonical_json, parse_job
+    from fedmq.services.cli.remote import AggregatorSilent, ModelUnavailable
+
+    job = job_of(remote, job_id)
+    try:
+        record = pick(job, which)
+    except LookupError as exc:
+        raise Unfetchable(str(exc), EXIT_USAGE) from None
+    if job.spec is None:
+        raise Unfetchable("the scheduler's answer has no job spec to write into the file: upgrade the "
+                          "scheduler to this fedmq", EXIT_FAILED)
+    try:
+        spec = parse_job(dict(job.spec))
+    except ConfigError as exc:
+        raise Unfetchable(f"this fedmq cannot read the job's spec: {exc}", EXIT_FAILED) from None
+    try:
+        weights = remote.model(job_id, str(record["model_digest"]))
+    except AggregatorSilent as exc:
+        raise Unfetchable(str(exc), EXIT_UNREACHABLE) from None
+    except ModelUnavailable as exc:
+        raise Unfetchable(_unavailable(job_id, int(record["round"]), exc.reason), EXIT_FAILED) from None
+    return job, record, weights, canonical_json(spec)
+
+
+def save_fetched(
+    path: Path, job_id: str, record: dict[str, Any], weights: dict[str, Any], spec_json: str
+) -> None:
+    """A fetched model as `fedmq model` writes it: safetensors, with the spec and the round's metrics."""
+    from fedmq.common.checkpoint import save_model
+
+    save_model(path, weights, spec_json, job_id=job_id, round=record["round"],
+               metrics=record.get("metrics", {}))
 
 
 @app.command()
@@ -162,9 +192,17 @@ def plot(
 
 
 def _job(remote: Remote, job_id: str) -> JobHistory:
+    try:
+        return job_of(remote, job_id)
+    except Unfetchable as exc:
+        _fail(str(exc), exc.code)
+
+
+def job_of(remote: Remote, job_id: str) -> JobHistory:
+    """The job's rounds, spec and best from the scheduler; Unfetchable if it has no such job."""
     reply = remote.status("job", job_id)
     if reply.error or not reply.jobs:
-        _fail(f"{reply.error or f'no job {job_id!r}'}; `fedmq status` lists the jobs", EXIT_USAGE)
+        raise Unfetchable(f"{reply.error or f'no job {job_id!r}'}; `fedmq status` lists the jobs", EXIT_USAGE)
     return JobHistory.of(reply.jobs[0])
 
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 import typer
 
 from fedmq.common.logging import configure_logging
 from fedmq.services.cli.app import EXIT_UNREACHABLE, EXIT_USAGE, app, err, make_settings
 
 
-def _service(name: str) -> None:
+def _service(name: str, **overrides: Any) -> None:
     from fedmq.common.errors import BrokerUnavailable, ConfigError
 
-    settings = make_settings()
+    settings = make_settings(**overrides)
     configure_logging(settings.log_format, settings.log_level)
     module = __import__(f"fedmq.services.{name}.app", fromlist=["main"])
     try:
@@ -42,3 +44,25 @@ def learner() -> None:
     _service("learner")
 
 
+
+
+@app.command()
+def console(
+    host: Annotated[str | None, typer.Option(
+        help="the address to listen on [default: FEDMQ_CONSOLE_HOST, 127.0.0.1]")] = None,
+    port: Annotated[int | None, typer.Option(help="the port [default: FEDMQ_CONSOLE_PORT, 8080]")] = None,
+) -> None:
+    """Serve the web console: jobs, rounds, learners and DDP groups; submit, cancel, download.
+
+    It talks to the scheduler and aggregator through the broker as the CLI does (its broker user),
+    and logs in with FEDMQ_CONSOLE_TOKEN_FILE (or FEDMQ_CONSOLE_TOKEN): it has no default password.
+    Needs the console extra: pip install 'fedmq[console]'.
+    """
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        err.print("[red]error:[/] the console needs its web libraries: pip install 'fedmq\\[console]'",
+                  highlight=False)
+        raise typer.Exit(EXIT_USAGE) from None
+    _service("console", console_host=host, console_port=port)

@@ -281,7 +281,8 @@ class Engine:
         closed = self._close(server_round, state, updates)
         del updates  # the round's trained weights: only the new global model remains
         seconds = time.monotonic() - started
-        record = round_record(closed, sync, len(state.reported), len(state.failed), seconds)
+        record = round_record(closed, sync, len(state.reported), len(state.failed), seconds,
+                              state.unreported())
         if federated_due(spec, server_round):
             self._evaluate(record)
         self._complete(record)

@@ -97,6 +97,7 @@ class DdpLoop:
             backend = "nccl" if all(i.device.startswith("cuda") for i in chosen) else "gloo"
         group["members"] = {i.learner: {"rank": ranks[i.learner].rank, "node": i.node} for i in chosen}
         group["exits"], group["started"] = {}, time.time()
+        group["master_addr"], group["backend"] = master_addr, backend  # for `status`: what ran
         for info in chosen:
             r = ranks[info.learner]
             launch = DdpLaunch(

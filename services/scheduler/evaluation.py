@@ -61,7 +61,8 @@ class EvaluationLoop:
             record = round_record(msg, job.sync, clients=0, failed=0, seconds=0.0)
         else:
             seconds = time.monotonic() - state.started
-            record = round_record(msg, job.sync, len(state.reported), len(state.failed), seconds)
+            record = round_record(msg, job.sync, len(state.reported), len(state.failed), seconds,
+                                  state.unreported())
             unserved = [c for c, phase in state.phases.items() if phase == "placement"]
             if unserved:  # sites no live learner hosted: dropped clients, named in the history
                 record["unserved_sites"] = sorted(str(job.spec.clients.site(c)) for c in unserved)

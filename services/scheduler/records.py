@@ -8,12 +8,16 @@ RoundClosed(r) ─▶ record ─┬─(federated evaluation due at r)─▶ Eval
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import EvalReport, RoundClosed, UpdateAccepted
 from fedmq.common.seeding import numpy_rng
 from fedmq.common.task.metrics import lookup, reduce_metrics
+
+FAILURES_KEPT = 20  # of one round's failed clients, in its record: enough to see why, bounded
+FAILURE_REASON_CHARS = 500
 
 
 def add_sync(sync: dict[str, float], msg: UpdateAccepted) -> None:
@@ -71,10 +75,12 @@ def report_entry(report: EvalReport) -> dict[str, Any]:
 
 
 def round_record(
-    msg: RoundClosed, sync: dict[str, float], clients: int, failed: int, seconds: float
+    msg: RoundClosed, sync: dict[str, float], clients: int, failed: int, seconds: float,
+    failures: Sequence[tuple[int, str, str]] = (),
 ) -> dict[str, Any]:
-    """What the history keeps of a closed round."""
-    return {
+    """What the history keeps of a closed round; `failures`: (client, reason, phase) of the sampled
+    clients that sent no update (RoundState.unreported), the first FAILURES_KEPT of them kept."""
+    record = {
         "round": msg.round,
         "metrics": {source: dict(values) for source, values in msg.metrics.items()},
         "clients": clients,
@@ -87,6 +93,10 @@ def round_record(
         "client_metrics": {str(c): dict(m) for c, m in sorted(msg.client_metrics.items())
                            if c in msg.clients},  # only the round's own
     }
+    if failures:
+        record["failures"] = [{"client": c, "phase": phase, "reason": reason[:FAILURE_REASON_CHARS]}
+                              for c, reason, phase in failures[:FAILURES_KEPT]]
+    return record
 
 
 def better(spec: JobSpec, record: dict[str, Any], best: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -53,6 +53,8 @@ def job_summary(job: SchedJob, now: float, history: bool) -> dict[str, Any]:
         summary["report"] = job.group["reports"][-1]
         if not last:
             summary["metrics"] = {"train": summary["report"]["metrics"]}
+    if job.group is not None:
+        summary["ddp"] = ddp_summary(job)
     if job.state is not None and job.status == RUNNING:
         summary["reported"] = len(job.state.reported)
         summary["sampled"] = len(job.state.clients)
@@ -63,3 +65,19 @@ def job_summary(job: SchedJob, now: float, history: bool) -> dict[str, Any]:
         summary["history"] = job.history
         summary["spec"] = job.raw_spec  # what `fedmq model` writes into a downloaded model file
     return summary
+
+
+def ddp_summary(job: SchedJob) -> dict[str, Any]:
+    """A DDP job's group: its members by rank, where rank 0 listens, the backend, the restarts."""
+    spec, group = job.spec.ddp, job.group
+    assert spec is not None and group is not None
+    members = sorted(({"learner": name, "rank": m["rank"], "node": m["node"],
+                       "exit": group["exits"].get(str(m["rank"]))} for name, m in group["members"].items()),
+                     key=lambda m: m["rank"])
+    return {
+        "attempt": group["attempt"], "members": members, "world_size": spec.world_size,
+        "master_addr": group.get("master_addr") or spec.master_addr, "master_port": spec.master_port,
+        "backend": group.get("backend") or spec.backend, "nodes": list(spec.nodes),
+        "restarts_used": spec.max_restarts - group["restarts_left"], "max_restarts": spec.max_restarts,
+        "step": group.get("step", 0),
+    }

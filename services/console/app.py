@@ -1,0 +1,321 @@
+"""The console's web app (Starlette, server-rendered pages) and `main`, which serves it with uvicorn.
+
+    /                jobs: `fedmq status`, live             /learners   `fedmq learners`, live
+    /jobs/ID         rounds, chart, failures; cancel,       /groups     DDP groups, live
+                     download (final, best)                 /submit     paste or upload a spec
+    /fragments/...   the live parts, fetched every few seconds by static/console.js
+
+It asks the scheduler and the aggregator through the broker, as the CLI does (services.cli.remote,
+with the CLI's broker user), and sends what `fedmq submit` and `fedmq cancel` send after the same
+checks. It keeps nothing of its own but login sessions, in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import structlog
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from fedmq.common.errors import FedmqError
+from fedmq.common.settings import Settings
+from fedmq.services.cli.remote import Remote, job_row, round_cells
+from fedmq.services.console import pages
+from fedmq.services.console.auth import FAILED_LOGIN_DELAY_S, Gate, guard, login_response, safe_next
+
+log = structlog.get_logger("fedmq.console")
+
+HERE = Path(__file__).parent
+REFRESH_S = 2  # how often an open page asks for its live parts
+MAX_SPEC_UPLOAD = 256 * 1024  # a pasted or uploaded spec; the spec limits refuse far smaller ones anyway
+
+
+def create_app(settings: Settings, remote: Remote, token: str, project: Path | None = None) -> Starlette:
+    """The console over a connected `remote`; `project`: the folder whose code a submitted spec may
+    name besides FEDMQ_ALLOWED_CODE's (default: the working directory)."""
+    gate = Gate(token)
+    folder = project or Path.cwd()
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined)
+    templates = Jinja2Templates(env=env)
+
+    def page(request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
+        session = gate.session(request)
+        return templates.TemplateResponse(request, name, {
+            "csrf": session.csrf if session else "", "refresh_s": REFRESH_S, **context,
+        }, status_code=status_code)
+
+    def failed(request: Request, exc: FedmqError, status_code: int = 503) -> Response:
+        return page(request, "error.html", status_code=status_code, message=str(exc))
+
+    # -- reading: the scheduler's status ---------------------------------------------------------
+
+    def jobs_context() -> dict[str, Any]:
+        reply = remote.status("jobs")
+        return {"fleet": reply.fleet, "rows": [(job["job_id"], *job_row(job)[1:]) for job in reply.jobs]}
+
+    def job_context(job_id: str) -> dict[str, Any] | None:
+        reply = remote.status("job", job_id)
+        if reply.error or not reply.jobs:
+            return None
+        job = reply.jobs[0]
+        header, rows = round_cells(job.get("history") or [])
+        return {"job": job, "header": header, "rounds": rows[::-1], "failures": pages.failures(job),
+                "has_best": job.get("best") is not None}
+
+    def jobs_page(request: Request) -> Response:
+        try:
+            return page(request, "jobs.html", **jobs_context())
+        except FedmqError as exc:
+            return failed(request, exc)
+
+    def jobs_fragment(request: Request) -> Response:
+        try:
+            return page(request, "_jobs.html", **jobs_context())
+        except FedmqError as exc:
+            return failed(request, exc)
+
+    def job_page(request: Request) -> Response:
+        return _job(request, "job.html")
+
+    def job_fragment(request: Request) -> Response:
+        return _job(request, "_job.html")
+
+    def _job(request: Request, name: str) -> Response:
+        job_id = request.path_params["job_id"]
+        try:
+            context = job_context(job_id)
+        except FedmqError as exc:
+            return failed(request, exc)
+        if context is None:
+            return page(request, "error.html", status_code=404, message=f"no job {job_id!r}")
+        return page(request, name, **context)
+
+    def chart(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        try:
+            reply = remote.status("job", job_id)
+        except FedmqError as exc:
+            return PlainTextResponse(str(exc), status_code=503)
+        if reply.error or not reply.jobs:
+            return PlainTextResponse(reply.error or f"no job {job_id!r}", status_code=404)
+        png = pages.chart_png(reply.jobs[0])
+        if png is None:
+            return PlainTextResponse("no rounds yet", status_code=404)
+        return Response(png, media_type="image/png")
+
+    def model(request: Request) -> Response:
+        from fedmq.services.cli.results import Unfetchable, fetch_model, save_fetched
+
+        job_id = request.path_params["job_id"]
+        try:
+            which = pages.which_model(request.query_params.get("which", "final"))
+        except ValueError as exc:
+            return PlainTextResponse(str(exc), status_code=400)
+        try:
+            _, record, weights, spec_json = fetch_model(remote, job_id, which)
+        except Unfetchable as exc:
+            return page(request, "error.html", status_code=404 if exc.code == 2 else 503, message=str(exc))
+        except FedmqError as exc:
+            return failed(request, exc)
+        with tempfile.TemporaryDirectory(prefix="fedmq-console-") as folder:
+            path = Path(folder) / "model.safetensors"
+            save_fetched(path, job_id, record, weights, spec_json)
+            body = path.read_bytes()
+        name = pages.file_name(job_id, which)
+        log.info("model_downloaded", job_id=job_id, round=record["round"], bytes=len(body))
+        return Response(body, media_type="application/octet-stream", headers={
+            "content-disposition": f'attachment; filename="{name}"',
+            "x-fedmq-model-digest": str(record["model_digest"]), "x-fedmq-round": str(record["round"]),
+        })
+
+    def learners_context() -> dict[str, Any]:
+        reply = remote.status("learners")
+        return {"fleet": reply.fleet, "learners": reply.learners}
+
+    def learners_page(request: Request) -> Response:
+        return _read(request, "learners.html", learners_context)
+
+    def learners_fragment(request: Request) -> Response:
+        return _read(request, "_learners.html", learners_context)
+
+    def groups_context() -> dict[str, Any]:
+        jobs = remote.status("jobs").jobs
+        return {"groups": [job for job in jobs if job.get("ddp") is not None]}
+
+    def groups_page(request: Request) -> Response:
+        return _read(request, "groups.html", groups_context)
+
+    def groups_fragment(request: Request) -> Response:
+        return _read(request, "_groups.html", groups_context)
+
+    def _read(request: Request, name: str, context: Any) -> Response:
+        try:
+            return page(request, name, **context())
+        except FedmqError as exc:
+            return failed(request, exc)
+
+    # -- acting: submit, cancel -----------------------------------------------------------------
+
+    def submit_page(request: Request) -> Response:
+        return page(request, "submit.html", text="", lines=[], general=[], warning=None)
+
+    async def submit(request: Request) -> Response:
+        async with request.form(max_files=1, max_fields=8, max_part_size=MAX_SPEC_UPLOAD) as form:
+            refused = gate.check_action(request, form)
+            if refused:
+                return page(request, "error.html", status_code=403, message=refused)
+            text = await _spec_text(form)
+        if text is None:
+            return page(request, "submit.html", status_code=400, text="", lines=[], warning=None,
+                        general=[f"the spec must be UTF-8 text of at most {MAX_SPEC_UPLOAD} bytes"])
+        spec, found = await run_in_threadpool(pages.check_text, text, settings, folder)
+        if spec is None:
+            return page(request, "submit.html", status_code=400, text=text,
+                        lines=pages.annotated_lines(text, found),
+                        general=[p.message for p in found if p.line is None], warning=None)
+        try:
+            job_id, warning = await run_in_threadpool(_send_job, remote, spec)
+        except FedmqError as exc:
+            return failed(request, exc)
+        log.info("job_submitted", job_id=job_id, name=spec.name)
+        target = f"/jobs/{job_id}" + ("?warning=" + _quote(warning) if warning else "")
+        return RedirectResponse(target, status_code=303)
+
+    async def cancel(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        async with request.form(max_files=0, max_fields=4) as form:
+            refused = gate.check_action(request, form)
+        if refused:
+            return page(request, "error.html", status_code=403, message=refused)
+        try:
+            said = await run_in_threadpool(_cancel_job, remote, job_id)
+        except FedmqError as exc:
+            return failed(request, exc)
+        log.info("job_cancel", job_id=job_id, said=said)
+        return RedirectResponse(f"/jobs/{job_id}?note={_quote(said)}", status_code=303)
+
+    # -- logging in and out ---------------------------------------------------------------------
+
+    def login_page(request: Request) -> Response:
+        return page(request, "login.html", next=safe_next(request.query_params.get("next")), wrong=False)
+
+    async def login(request: Request) -> Response:
+        async with request.form(max_files=0, max_fields=4) as form:
+            given, target = form.get("token"), form.get("next")
+        if isinstance(given, str) and gate.token_ok(given):
+            log.info("console_login", client=request.client.host if request.client else "")
+            return login_response(gate, target if isinstance(target, str) else "/",
+                                  secure=request.url.scheme == "https")
+        log.warning("console_login_refused", client=request.client.host if request.client else "")
+        await asyncio.sleep(FAILED_LOGIN_DELAY_S)
+        return page(request, "login.html", status_code=401,
+                    next=safe_next(target if isinstance(target, str) else None), wrong=True)
+
+    async def logout(request: Request) -> Response:
+        async with request.form(max_files=0, max_fields=4) as form:
+            refused = gate.check_action(request, form)
+        if refused:
+            return page(request, "error.html", status_code=403, message=refused)
+        gate.close(request.cookies.get("fedmq_console", ""))
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie("fedmq_console", path="/")
+        return response
+
+    def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    routes = [
+        Route("/", jobs_page),
+        Route("/fragments/jobs", jobs_fragment),
+        Route("/jobs/{job_id}", job_page),
+        Route("/fragments/jobs/{job_id}", job_fragment),
+        Route("/jobs/{job_id}/chart.png", chart),
+        Route("/jobs/{job_id}/model", model),
+        Route("/jobs/{job_id}/cancel", cancel, methods=["POST"]),
+        Route("/learners", learners_page),
+        Route("/fragments/learners", learners_fragment),
+        Route("/groups", groups_page),
+        Route("/fragments/groups", groups_fragment),
+        Route("/submit", submit_page),
+        Route("/submit", submit, methods=["POST"]),
+        Route("/login", login_page),
+        Route("/login", login, methods=["POST"]),
+        Route("/logout", logout, methods=["POST"]),
+        Route("/healthz", healthz),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(BaseHTTPMiddleware, dispatch=guard(gate))])
+
+
+async def _spec_text(form: Any) -> str | None:
+    """The spec from the form: an uploaded file if one came, else the pasted text; None if unreadable."""
+    upload = form.get("file")
+    if isinstance(upload, UploadFile) and upload.filename:
+        data = await upload.read(MAX_SPEC_UPLOAD + 1)
+    else:
+        pasted = form.get("spec")
+        data = pasted.encode("utf-8") if isinstance(pasted, str) else b""
+    if len(data) > MAX_SPEC_UPLOAD:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _send_job(remote: Remote, spec: Any) -> tuple[str, str | None]:
+    """What `fedmq submit` sends once the spec is checked: the job id and the learners' warning."""
+    from fedmq.common.messages import JobSubmit
+    from fedmq.services.cli.embedded import new_job_id
+    from fedmq.services.cli.preflight import learners_warning
+
+    job_id = new_job_id(spec)
+    warning = learners_warning(spec, remote.status("learners").learners)
+    remote.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
+    return job_id, warning
+
+
+def _cancel_job(remote: Remote, job_id: str) -> str:
+    """`fedmq cancel`: the scheduler drops a cancel of a job it does not know, so ask first."""
+    from fedmq.common.messages import JobCancel
+
+    reply = remote.status("job", job_id)
+    if reply.error or not reply.jobs:
+        return reply.error or f"no job {job_id!r}"
+    state = reply.jobs[0]["status"]
+    if state != "running":
+        return f"job {job_id} is no longer running ({state}): nothing to cancel"
+    remote.send(JobCancel(job_id=job_id, reason="cancelled from the console"))
+    return f"cancel requested for {job_id}"
+
+
+def _quote(text: str) -> str:
+    from urllib.parse import quote
+
+    return quote(text[:300], safe="")
+
+
+def main(settings: Settings) -> None:
+    """`fedmq console`: connect as the CLI does, then serve until interrupted. ConfigError without a token."""
+    import uvicorn
+
+    token = settings.console_token_value()
+    with Remote(settings, name="fedmq-console") as remote:
+        app = create_app(settings, remote, token)
+        log.info("console_listening", url=f"http://{settings.console_host}:{settings.console_port}")
+        uvicorn.run(app, host=settings.console_host, port=settings.console_port, log_level="warning",
+                    proxy_headers=False, server_header=False)

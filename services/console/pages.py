@@ -1,0 +1,137 @@
+"""What the console's pages show, as plain data from the scheduler's and aggregator's answers.
+
+Nothing here renders HTML: the templates do, with Jinja's autoescaping, so no text a job, a learner
+or a spec carries is ever taken for markup.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedmq.common.errors import ConfigError
+from fedmq.common.jobspec import JobSpec
+from fedmq.common.settings import Settings
+from fedmq.services.cli.history import JobHistory, Which
+
+FAILURES_SHOWN = 50
+_FIELD = re.compile(r"^\s*- ([^:\s]+): (.*)$")
+_YAML_LINE = re.compile(r"line (\d+)")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a spec, and the line of the spec it is about (None: the whole spec)."""
+
+    line: int | None
+    message: str
+
+
+def check_text(text: str, settings: Settings, project: Path) -> tuple[JobSpec | None, list[Problem]]:
+    """`fedmq submit`'s checks of a pasted spec: the spec, or the problems by line.
+
+    The text is checked as a file in a folder of its own, with `project` as the folder whose code
+    the spec may name (the console's working directory: what `fedmq submit` run there allows).
+    """
+    from fedmq.services.cli.app import check_spec
+
+    with tempfile.TemporaryDirectory(prefix="fedmq-console-") as folder:
+        path = Path(folder) / "job.yaml"
+        path.write_text(text, encoding="utf-8")
+        try:
+            return check_spec(path, settings, project=project), []
+        except ConfigError as exc:
+            return None, problems(str(exc).replace(str(path), "the spec"), text)
+
+
+def problems(message: str, text: str) -> list[Problem]:
+    """A ConfigError's lines, each placed on the spec line it names: a field's ("- train.lr: ..."), or
+    the line a YAML error gives; the rest are about the whole spec."""
+    found: list[Problem] = []
+    head: list[str] = []
+    for raw in message.splitlines():
+        field = _FIELD.match(raw)
+        if field:
+            found.append(Problem(line_of(text, field.group(1)), f"{field.group(1)}: {field.group(2)}"))
+        elif raw.strip():
+            head.append(raw.strip())
+    if head and found and len(head) == 1 and head[0].endswith("is invalid:"):
+        placed = sum(p.line is not None for p in found)
+        head = [f"the spec has {len(found)} problem{'s' if len(found) > 1 else ''}"
+                + (", shown beside their lines" if placed == len(found) else "")]
+    if head:
+        yaml_line = _YAML_LINE.search(" ".join(head)) if "YAML" in head[0] else None
+        found.insert(0, Problem(int(yaml_line.group(1)) if yaml_line else None, " ".join(head)))
+    return found
+
+
+def line_of(text: str, dotted: str) -> int | None:
+    """The 1-based line of the YAML key at `dotted` (a.b.0.c), or of its nearest parent found."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in dotted.split("."):
+        if isinstance(node, yaml.MappingNode):
+            keys = (kv for kv in node.value if isinstance(kv[0], yaml.ScalarNode) and kv[0].value == part)
+            pair = next(keys, None)
+            if pair is None:
+                break
+            line, node = pair[0].start_mark.line + 1, pair[1]
+        elif isinstance(node, yaml.SequenceNode) and part.isdigit() and int(part) < len(node.value):
+            node = node.value[int(part)]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def annotated_lines(text: str, found: list[Problem]) -> list[tuple[int, str, list[str]]]:
+    """The spec's lines, numbered, each with the problems about it (shown beneath it)."""
+    by_line: dict[int, list[str]] = {}
+    for problem in found:
+        if problem.line is not None:
+            by_line.setdefault(problem.line, []).append(problem.message)
+    return [(n, line, by_line.get(n, [])) for n, line in enumerate(text.splitlines(), start=1)]
+
+
+def failures(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's failed clients, newest round first: round, client, phase, reason."""
+    rows = [{"round": record["round"], **failure}
+            for record in reversed(job.get("history") or []) for failure in record.get("failures") or []]
+    return rows[:FAILURES_SHOWN]
+
+
+def chart_png(job: dict[str, Any]) -> bytes | None:
+    """`fedmq plot`'s figure of the job, as PNG; None before its first round."""
+    from fedmq.services.cli.chart import default_metrics, metrics_figure
+
+    history = JobHistory.of(job)
+    if not history.records:
+        return None
+    figure = metrics_figure(history, default_metrics(history))
+    out = io.BytesIO()
+    figure.savefig(out, format="png")
+    return out.getvalue()
+
+
+def which_model(value: str) -> Which:
+    """final, best or a round number, from a download link; ValueError otherwise."""
+    if value in ("final", "best"):
+        return value  # type: ignore[return-value]
+    if value.isdigit():
+        return int(value)
+    raise ValueError(f"which model: final, best or a round number, not {value[:20]!r}")
+
+
+def file_name(job_id: str, which: Which) -> str:
+    """The download's file name, as `fedmq model` names it; only [A-Za-z0-9_.-] (a header's value)."""
+    suffix = "" if which == "final" else "-best" if which == "best" else f"-round-{which}"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{job_id}{suffix}") + ".safetensors"
