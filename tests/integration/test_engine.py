@@ -114,6 +114,13 @@ def test_a_failing_client_costs_the_quorum_in_the_engine_as_on_the_services(tmp_
     assert engine["status"] == "completed"
     assert [h["failed"] for h in engine["history"]] == [h["failed"] for h in services["history"]] == [0, 1, 1]
     assert digests(engine) == digests(services)
+    # Each round's record names the client and its phase alike on both (`fedmq console` shows them).
+    named = [[(f["client"], f["phase"]) for f in h.get("failures", [])] for h in engine["history"]]
+    assert named == [[(f["client"], f["phase"]) for f in h.get("failures", [])] for h in services["history"]]
+    assert named == [[], [(0, "train")], [(0, "train")]]
+    for result in (engine, services):  # the reason says what the user's code raised, and where
+        reasons = [f["reason"] for h in result["history"] for f in h.get("failures", [])]
+        assert all("RuntimeError: simulated out-of-memory" in r for r in reasons), reasons
 
 
 def test_a_client_that_fails_the_job_fails_it_naming_the_client_and_round(tmp_path: Path) -> None:

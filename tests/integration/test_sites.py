@@ -38,3 +38,4 @@ def test_sites_no_learner_hosts_are_dropped_clients_named_in_the_history(tmp_pat
     for record in rounds:
         assert record["clients"] == 2 and record["failed"] == 2
         assert record["unserved_sites"] == SITES[2:]
+        assert sorted(f["phase"] for f in record["failures"]) == ["placement", "placement"]

@@ -1,0 +1,199 @@
+"""`fedmq console` over the in-memory bus (Starlette's test client): who may see and do what, how a
+spec's problems are placed on its lines, and a job submitted, shown, charted and downloaded.
+tests/integration/test_console_browser.py drives it in a browser over RabbitMQ."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from starlette.testclient import TestClient
+from typer.testing import CliRunner
+
+from fedmq.common.checkpoint import load_state
+from fedmq.common.codec.state import state_digest
+from fedmq.common.errors import ConfigError
+from fedmq.common.settings import Settings
+from fedmq.services.cli.embedded import EmbeddedCluster
+from fedmq.services.cli.main import app as cli
+from fedmq.services.cli.remote import Remote
+from fedmq.services.console.app import create_app
+from fedmq.services.console.auth import safe_next
+from fedmq.services.console.pages import check_text, line_of, problems
+from tests.conftest import REPO, small_job
+
+TOKEN = "a-test-token-of-some-length"
+PAGE = {"accept": "text/html"}
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    settings = Settings(state_dir=tmp_path / "state", log_format="json")
+    with EmbeddedCluster(settings) as cluster:
+        bus = cluster.connect("console")
+        thread = threading.Thread(target=bus.run, daemon=True)
+        thread.start()
+        try:
+            with Remote(settings, bus=bus) as remote:
+                app = create_app(settings, remote, TOKEN, project=REPO)
+                with TestClient(app, base_url="http://console") as c:
+                    yield c
+        finally:
+            bus.stop()
+            thread.join(5)
+
+
+def log_in(client: TestClient) -> str:
+    """Log in; the CSRF token the pages carry."""
+    response = client.post("/login", data={"token": TOKEN, "next": "/submit"}, follow_redirects=True)
+    assert response.status_code == 200 and response.url.path == "/submit"
+    found = re.search(r'name="csrf" value="([^"]+)"', response.text)
+    assert found is not None
+    return found.group(1)
+
+
+def spec_text(**changes: object) -> str:
+    return yaml.safe_dump(small_job(**changes).model_dump(mode="json", exclude_defaults=True))
+
+
+def test_nothing_but_the_login_page_without_the_token(client: TestClient) -> None:
+    for path in ("/", "/jobs/x", "/learners", "/groups", "/submit"):
+        response = client.get(path, headers=PAGE, follow_redirects=False)
+        assert response.status_code == 303 and response.headers["location"].startswith("/login?next=")
+    for path in ("/fragments/jobs", "/jobs/x/model", "/jobs/x/chart.png"):
+        assert client.get(path).status_code == 401
+    assert client.post("/submit", data={"spec": spec_text()}).status_code == 401
+    wrong = client.post("/login", data={"token": TOKEN[:-1], "next": "/"})
+    assert wrong.status_code == 401 and "not the console" in wrong.text
+    assert "fedmq_console" not in wrong.cookies
+    assert client.get("/fragments/jobs", headers={"authorization": f"Bearer {TOKEN}x"}).status_code == 401
+    assert client.get("/fragments/jobs", headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert client.get("/healthz").text == "ok"
+
+
+def test_every_response_forbids_framing_and_foreign_scripts(client: TestClient) -> None:
+    response = client.get("/login")
+    policy = response.headers["content-security-policy"]
+    assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy
+    assert response.headers["x-frame-options"] == "DENY"
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert "<script>" not in response.text  # no inline script: the policy would block it anyway
+
+
+def test_actions_need_the_sessions_csrf_token_and_our_origin(client: TestClient) -> None:
+    csrf = log_in(client)
+    text = spec_text()
+    assert client.post("/submit", data={"spec": text}).status_code == 403
+    assert client.post("/submit", data={"spec": text, "csrf": csrf + "x"}).status_code == 403
+    foreign = client.post("/submit", data={"spec": text, "csrf": csrf}, headers={"origin": "http://evil.example"})
+    assert foreign.status_code == 403 and "another site" in foreign.text
+    assert client.post("/jobs/x/cancel", data={}).status_code == 403
+    assert "No jobs yet" in client.get("/fragments/jobs").text  # nothing refused was sent
+    sent = client.post("/submit", data={"spec": text, "csrf": csrf}, headers={"origin": "http://console"},
+                       follow_redirects=False)
+    assert sent.status_code == 303 and sent.headers["location"].startswith("/jobs/tiny-")
+    client.post("/logout", data={"csrf": csrf})
+    assert client.get("/fragments/jobs").status_code == 401  # the session is gone
+
+
+def test_a_submitted_job_is_shown_charted_and_its_models_downloaded(
+    client: TestClient, tmp_path: Path
+) -> None:
+    csrf = log_in(client)
+    text = spec_text(objective={"metric": "server.accuracy", "mode": "max"})
+    sent = client.post("/submit", data={"spec": text, "csrf": csrf}, follow_redirects=False)
+    job_id = sent.headers["location"].removeprefix("/jobs/")
+    deadline = time.monotonic() + 120
+    while 'id="job-status" class="status completed"' not in client.get(f"/fragments/jobs/{job_id}").text:
+        assert time.monotonic() < deadline, "the job did not complete"
+        time.sleep(0.2)
+    page = client.get(f"/jobs/{job_id}")
+    assert page.status_code == 200 and "Download best model" in page.text and 'id="cancel"' not in page.text
+    chart = client.get(f"/jobs/{job_id}/chart.png")
+    assert chart.status_code == 200 and chart.content.startswith(b"\x89PNG")
+    for which in ("final", "best"):
+        model = client.get(f"/jobs/{job_id}/model", params={"which": which})
+        assert model.status_code == 200
+        name = f"{job_id}{'' if which == 'final' else '-best'}.safetensors"
+        assert model.headers["content-disposition"] == f'attachment; filename="{name}"'
+        path = tmp_path / name
+        path.write_bytes(model.content)
+        weights, _ = load_state(path)
+        assert state_digest(weights) == model.headers["x-fedmq-model-digest"]
+    assert client.get(f"/jobs/{job_id}/model", params={"which": "newest"}).status_code == 400
+    assert client.get("/jobs/nope/model").status_code == 404
+    assert client.get("/jobs/nope").status_code == 404
+    cancel = client.post(f"/jobs/{job_id}/cancel", data={"csrf": csrf})
+    assert "no longer running (completed)" in cancel.text
+
+
+def test_text_a_spec_carries_is_shown_escaped(client: TestClient) -> None:
+    csrf = log_in(client)
+    text = spec_text() + "<script>alert(1)</script>: 1\n"
+    response = client.post("/submit", data={"spec": text, "csrf": csrf})
+    assert response.status_code == 400
+    assert "<script>alert(1)</script>" not in response.text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in response.text
+
+
+def test_an_uploaded_spec_that_is_not_text_or_too_large_is_refused(client: TestClient) -> None:
+    csrf = log_in(client)
+    form = {"csrf": csrf}
+    binary = client.post("/submit", data=form, files={"file": ("job.yaml", b"\xff\xfe", "text/yaml")})
+    assert binary.status_code == 400 and "UTF-8 text" in binary.text
+    large = client.post("/submit", data=form, files={"file": ("a.yaml", b"a" * 300_000, "text/yaml")})
+    assert large.status_code in (400, 413)
+
+
+def test_problems_are_placed_on_the_lines_they_are_about(tmp_path: Path) -> None:
+    settings = Settings(state_dir=tmp_path)
+    text = spec_text().replace("lr: 0.1", "lr: -0.1") + "strategy: {name: fedavgg}\n"
+    spec, found = check_text(text, settings, REPO)
+    assert spec is None
+    lines = text.splitlines()
+    by_line = {p.line: p.message for p in found}
+    assert "train.lr" in by_line[next(n for n, line in enumerate(lines, 1) if "lr: -0.1" in line)]
+    assert "fedavgg" in by_line[len(lines)]
+    assert found[0].line is None and found[0].message.startswith("the spec has 2 problems")
+
+    broken = "name: x\ntrain: {lr: 0.1\n"
+    spec, found = check_text(broken, settings, REPO)
+    assert spec is None and found[0].line is not None and "YAML" in found[0].message
+
+    assert line_of("a:\n  b:\n    - c: 1\n    - d: 2\n", "a.b.1.d") == 4
+    assert line_of("a:\n  b: 1\n", "a.x") == 1  # the nearest parent found
+    assert problems("cannot read job spec the spec: No such file", "")[0].line is None
+
+    spec, found = check_text(spec_text(), settings, REPO)
+    assert spec is not None and found == []
+
+
+def test_only_paths_of_this_site_follow_a_login() -> None:
+    assert safe_next("/jobs/a?x=1") == "/jobs/a?x=1"
+    for bad in ("//evil.example/x", "https://evil.example", "/\\evil.example", "", None, "jobs"):
+        assert safe_next(bad) == "/"
+
+
+def test_the_console_needs_a_token_of_its_own(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="FEDMQ_CONSOLE_TOKEN_FILE"):
+        Settings().console_token_value()
+    with pytest.raises(ConfigError, match="at least 16"):
+        Settings(console_token="short").console_token_value()
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    assert Settings(console_token_file=token).console_token_value() == TOKEN
+    with pytest.raises(ConfigError, match="both"):
+        Settings(console_token_file=token, console_token=TOKEN).console_token_value()
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="FEDMQ_CONSOLE_TOKEN_FILE=.*empty"):
+        Settings(console_token_file=empty).console_token_value()
+
+    unset: dict[str, str | None] = {"FEDMQ_CONSOLE_TOKEN": None, "FEDMQ_CONSOLE_TOKEN_FILE": None}
+    refused = CliRunner().invoke(cli, ["console"], env=unset)
+    assert refused.exit_code == 2 and "no default one" in refused.output
