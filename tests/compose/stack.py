@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,8 @@ from tests.conftest import REPO
 TOOL = Path(os.environ.get("FEDMQ_COMPOSE_LOCAL") or REPO.parent / "shared" / "tools" / "compose-local")
 AMQP_PORT = int(os.environ.get("LOCAL_AMQP_PORT", "35672"))
 PROMETHEUS = f"http://127.0.0.1:{os.environ.get('LOCAL_PROMETHEUS_PORT', '39090')}"
+CONSOLE_PORT = int(os.environ.get("LOCAL_CONSOLE_PORT", "38080"))
+CONSOLE = f"http://127.0.0.1:{CONSOLE_PORT}"
 ENV_FILE = REPO / ".env"
 ENV_EXAMPLE = REPO / "deploy" / "compose.env.example"
 
@@ -69,11 +73,13 @@ class Stack:
 
     learners: int
     log: Path  # the tool's and compose's output, appended
+    console_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))  # for --profile console
 
     @property
     def env(self) -> dict[str, str]:
         return {**os.environ, "FEDMQ_PROJECT": str(REPO), "LEARNERS": str(self.learners),
-                "COMPOSE_LOCAL_DIR": str(TOOL), "COMPOSE_BAKE": "false"}
+                "COMPOSE_LOCAL_DIR": str(TOOL), "COMPOSE_BAKE": "false",
+                "CONSOLE_TOKEN": self.console_token, "CONSOLE_PORT": str(CONSOLE_PORT)}
 
     def command(self, *args: str) -> list[str]:
         """A `docker compose` command line for this project (as the tool's env.sh builds it)."""
@@ -102,7 +108,8 @@ class Stack:
         if volumes:
             self._run([str(TOOL / "down.sh")], timeout=300)
         else:
-            self.compose("--profile", "tools", "down", "--remove-orphans", timeout=300)
+            self.compose("--profile", "tools", "--profile", "console", "down", "--remove-orphans",
+                         timeout=300)
 
     def docker(self, *args: str, timeout: float = 60) -> str:
         return self._run(["docker", *args], timeout)
@@ -121,3 +128,21 @@ def prometheus(path: str, **params: str | float) -> Any:
         body = json.load(reply)
     assert body["status"] == "success", body
     return body["data"]
+
+
+def console(path: str, token: str | None) -> tuple[int, str, bytes, dict[str, str]]:
+    """GET a console path (with the bearer token, or none), no redirect followed: status, where a
+    redirect points, the body and the headers."""
+
+    class Stay(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    request = urllib.request.Request(f"{CONSOLE}{path}", headers={"accept": "text/html"})
+    if token is not None:
+        request.add_header("authorization", f"Bearer {token}")
+    try:
+        with urllib.request.build_opener(Stay).open(request, timeout=30) as reply:
+            return reply.status, "", reply.read(), dict(reply.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("location", ""), exc.read(), dict(exc.headers)

@@ -36,7 +36,7 @@ from fedmq.common.settings import Settings
 from fedmq.services.cli.remote import Remote
 from tests.ci import under_ci
 from tests.compose import dashboard
-from tests.compose.stack import AMQP_PORT, Stack, env_file, prometheus, unavailable
+from tests.compose.stack import AMQP_PORT, Stack, console, env_file, prometheus, unavailable
 from tests.conftest import REPO, assert_bit_identical
 
 SPEC = "examples/digits.yaml"
@@ -201,6 +201,22 @@ def test_the_compose_stack_trains_survives_kills_and_resumes_after_down_and_up(
     host_fedmq(cli, "model", job_a, "--out", str(tmp_path / "a.safetensors"))  # through the broker
     same_model(load_state(tmp_path / "a.safetensors")[0], reference_model, same_torch)
 
+    # The console, behind its profile: refuses without the token, lists job A, serves its model.
+    step(t0, "the console: --profile console up; job A's row and its model through the token")
+    compose.compose("--profile", "console", "up", "-d", "console", timeout=300)
+    try:
+        wait_for(_answers, 90, "the console to answer /healthz")
+        status, location, _, _ = console("/", None)
+        assert status == 303 and location.startswith("/login"), (status, location)
+        status, _, body, _ = console("/fragments/jobs", compose.console_token)
+        assert status == 200 and job_a in body.decode() and "completed" in body.decode(), body[-2000:]
+        status, _, body, headers = console(f"/jobs/{job_a}/model?which=final", compose.console_token)
+        assert status == 200 and headers["x-fedmq-model-digest"] == result_a["model_digest"]
+        (tmp_path / "console.safetensors").write_bytes(body)
+        same_model(load_state(tmp_path / "console.safetensors")[0], reference_model, same_torch)
+    finally:
+        compose.compose("--profile", "console", "rm", "-sf", "console")
+
     # Prometheus: every target up; an undecodable message, so that the dead-letter panel has data.
     step(t0, "Prometheus: targets and the dashboard's queries")
     with Remote(cli) as remote:
@@ -254,3 +270,10 @@ def test_the_compose_stack_trains_survives_kills_and_resumes_after_down_and_up(
         f" {len(zero)} zero: {', '.join(zero) or 'none'};"
         f" {time.monotonic() - t0:.0f} s (up.sh {up_s:.0f} s)"
     )
+
+
+def _answers() -> bool:
+    try:
+        return console("/healthz", None)[0] == 200
+    except OSError:
+        return False

@@ -672,7 +672,7 @@ def test_dockerfile_installs_torch_first_and_runs_as_fedmq() -> None:
     assert args["TORCH_INDEX_URL"] in ('""', ""), "the builder chooses the torch index"
     runs = [s[1] for s in steps if s[0] == "RUN"]
     torch_step = next(i for i, r in enumerate(runs) if "${TORCH_SPEC}" in r)
-    project = re.compile(r"pip install (/tmp/fedmq-src|\.)( |;|$)")
+    project = re.compile(r"pip install \"?(/tmp/fedmq-src|\.)(\[console\])?\"?( |;|$)")  # the console's extra
     project_step = next(i for i, r in enumerate(runs) if project.search(r))
     assert torch_step < project_step, "torch must be installed before the project"
     assert any("--index-url" in r and "${TORCH_INDEX_URL}" in r for r in runs)
