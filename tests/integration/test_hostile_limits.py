@@ -96,9 +96,10 @@ def test_implausible_updates_and_oversized_jobs_are_refused_counted_and_change_n
 
         def aggregator_refused(reason: str) -> None:
             # The real update must come after both forgeries (else they would be duplicates, acked
-            # with no effect); the broken blobs are counted at the end, in the dead letters.
+            # with no effect), and after both broken blobs: each is refused only once the aggregator
+            # waited for its missing chunks, which a job that ended sooner would not count.
             refused.append(reason.split(":", 1)[0])
-            if {"implausible_examples", "update_norm"} <= set(refused):
+            if {"implausible_examples", "update_norm"} <= set(refused) and refused.count("blob") == 2:
                 real_update_may_go.set()
 
         def connect(name: str) -> RabbitBus:
