@@ -13,6 +13,7 @@ checks. It keeps nothing of its own but login sessions, in memory.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,13 @@ from typing import Any
 import jinja2
 import structlog
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, RedirectResponse, Response
+from starlette.responses import FileResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
@@ -54,9 +56,18 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
 
     def page(request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
         session = gate.session(request)
+        said: list[str] = []
+        if session is not None and not name.startswith("_"):  # a whole page, not a live part
+            said, session.said = session.said, []
         return templates.TemplateResponse(request, name, {
-            "csrf": session.csrf if session else "", "refresh_s": REFRESH_S, **context,
+            "csrf": session.csrf if session else "", "refresh_s": REFRESH_S, "said": said, **context,
         }, status_code=status_code)
+
+    def say(request: Request, line: str | None) -> None:
+        """A line the next page shows once, to this session (an action's outcome)."""
+        session = gate.session(request)
+        if session is not None and line:
+            session.said.append(line)
 
     def failed(request: Request, exc: FedmqError, status_code: int = 503) -> Response:
         return page(request, "error.html", status_code=status_code, message=str(exc))
@@ -131,16 +142,22 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
             return page(request, "error.html", status_code=404 if exc.code == 2 else 503, message=str(exc))
         except FedmqError as exc:
             return failed(request, exc)
-        with tempfile.TemporaryDirectory(prefix="fedmq-console-") as folder:
-            path = Path(folder) / "model.safetensors"
+        folder = tempfile.mkdtemp(prefix="fedmq-console-")
+        path = Path(folder) / "model.safetensors"
+        try:
             save_fetched(path, job_id, record, weights, spec_json)
-            body = path.read_bytes()
-        name = pages.file_name(job_id, which)
-        log.info("model_downloaded", job_id=job_id, round=record["round"], bytes=len(body))
-        return Response(body, media_type="application/octet-stream", headers={
-            "content-disposition": f'attachment; filename="{name}"',
-            "x-fedmq-model-digest": str(record["model_digest"]), "x-fedmq-round": str(record["round"]),
-        })
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        del weights
+        log.info("model_downloaded", job_id=job_id, round=record["round"], bytes=path.stat().st_size)
+        which_round = {"x-fedmq-model-digest": str(record["model_digest"]),
+                       "x-fedmq-round": str(record["round"])}
+        return FileResponse(  # streamed from the file, which goes once it is sent
+            path, media_type="application/octet-stream", filename=pages.file_name(job_id, which),
+            headers=which_round,
+            background=BackgroundTask(shutil.rmtree, folder, ignore_errors=True),
+        )
 
     def learners_context() -> dict[str, Any]:
         reply = remote.status("learners")
@@ -192,8 +209,9 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         except FedmqError as exc:
             return failed(request, exc)
         log.info("job_submitted", job_id=job_id, name=spec.name)
-        target = f"/jobs/{job_id}" + ("?warning=" + _quote(warning) if warning else "")
-        return RedirectResponse(target, status_code=303)
+        say(request, f"submitted {job_id}")
+        say(request, warning and f"warning: {warning}")
+        return RedirectResponse(f"/jobs/{job_id}", status_code=303)
 
     async def cancel(request: Request) -> Response:
         job_id = request.path_params["job_id"]
@@ -206,7 +224,8 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         except FedmqError as exc:
             return failed(request, exc)
         log.info("job_cancel", job_id=job_id, said=said)
-        return RedirectResponse(f"/jobs/{job_id}?note={_quote(said)}", status_code=303)
+        say(request, said)
+        return RedirectResponse(f"/jobs/{_quote(job_id)}", status_code=303)
 
     # -- logging in and out ---------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import hmac
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,6 +33,7 @@ PUBLIC = ("/login", "/static/", "/healthz")
 class Session:
     csrf: str
     expires: float
+    said: list[str] = field(default_factory=list)  # what the next page says once (an action's outcome)
 
 
 class Gate:

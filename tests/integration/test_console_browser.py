@@ -170,7 +170,7 @@ def test_the_console_submits_watches_downloads_cancels_and_refuses(
         expect(page).to_have_url(re.compile(r"/jobs/digits-fedavg-"))
         expect(page.locator("#job-status")).to_have_text("running")
         page.click("#cancel")
-        expect(page.locator("#note")).to_contain_text("cancel requested")
+        expect(page.locator("[data-said]")).to_contain_text("cancel requested")
         expect(page.locator("#job-status")).to_have_text("cancelled", timeout=60_000)
         expect(page.locator("#job-reason")).to_contain_text("cancelled from the console")
         shot(page, "job-cancelled")
