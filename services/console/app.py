@@ -88,16 +88,10 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
                 "has_best": job.get("best") is not None}
 
     def jobs_page(request: Request) -> Response:
-        try:
-            return page(request, "jobs.html", **jobs_context())
-        except FedmqError as exc:
-            return failed(request, exc)
+        return _read(request, "live.html", jobs_context, title="Jobs", part="jobs")
 
     def jobs_fragment(request: Request) -> Response:
-        try:
-            return page(request, "_jobs.html", **jobs_context())
-        except FedmqError as exc:
-            return failed(request, exc)
+        return _read(request, "_jobs.html", jobs_context)
 
     def job_page(request: Request) -> Response:
         return _job(request, "job.html")
@@ -164,7 +158,7 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         return {"fleet": reply.fleet, "learners": reply.learners}
 
     def learners_page(request: Request) -> Response:
-        return _read(request, "learners.html", learners_context)
+        return _read(request, "live.html", learners_context, title="Learners", part="learners")
 
     def learners_fragment(request: Request) -> Response:
         return _read(request, "_learners.html", learners_context)
@@ -174,14 +168,14 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         return {"groups": [job for job in jobs if job.get("ddp") is not None]}
 
     def groups_page(request: Request) -> Response:
-        return _read(request, "groups.html", groups_context)
+        return _read(request, "live.html", groups_context, title="DDP groups", part="groups")
 
     def groups_fragment(request: Request) -> Response:
         return _read(request, "_groups.html", groups_context)
 
-    def _read(request: Request, name: str, context: Any) -> Response:
+    def _read(request: Request, name: str, context: Any, **more: Any) -> Response:
         try:
-            return page(request, name, **context())
+            return page(request, name, **context(), **more)
         except FedmqError as exc:
             return failed(request, exc)
 
