@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from fedmq.services.cli.main import app
 
-COMMANDS = ["run", "scheduler", "aggregator", "learner", "submit", "watch", "status", "cancel", "learners",
-            "gpu-mapping", "model", "plot", "schema"]
+COMMANDS = ["run", "scheduler", "aggregator", "learner", "console", "submit", "watch", "status", "cancel",
+            "learners", "gpu-mapping", "model", "plot", "schema"]
 
 
 REPO = Path(__file__).resolve().parents[2]

@@ -42,7 +42,7 @@ def test_ensure_tools_says_what_it_installs_and_why_before_apt_get(tmp_path: Pat
     done = run("ensure-tools.sh", env)
     assert done.returncode == 0
     said = done.stderr.splitlines()[0]
-    assert said.startswith("ensure-tools: installing prometheus docker-compose as root with apt-get "
+    assert said.startswith("ensure-tools: installing prometheus docker-compose chromium as root with apt-get "
                            "(FEDMQ_NO_INSTALL=1 to skip): the deployment tests use promtool")
     assert [line.split()[0] for line in calls.read_text().splitlines() if line.startswith("apt-get")] == [
         "apt-get", "apt-get"]  # update, then install
@@ -53,8 +53,8 @@ def test_with_fedmq_no_install_ensure_tools_only_says_what_is_missing(tmp_path: 
     env, calls = fake_system(tmp_path, id="echo 0", **{"apt-get": "exit 0"})
     done = run("ensure-tools.sh", env, FEDMQ_NO_INSTALL="1")
     assert done.returncode == 0
-    assert done.stderr.startswith("ensure-tools: missing prometheus docker-compose; not installing them "
-                                  "(FEDMQ_NO_INSTALL=1)")
+    assert done.stderr.startswith("ensure-tools: missing prometheus docker-compose chromium; not installing "
+                                  "them (FEDMQ_NO_INSTALL=1)")
     assert not calls.exists() or "apt-get" not in calls.read_text()
 
 
