@@ -215,6 +215,15 @@ class Settings(BaseSettings):
         "that adds TLS, or in a container whose port is published to 127.0.0.1",
     )
     console_port: int = Field(8080, gt=0, lt=65536, description="`fedmq console`: its HTTP port")
+    console_allowed_hosts: str = Field(
+        "localhost,127.0.0.1,::1", description="`fedmq console`: the host names its pages may be asked "
+        "for by (the Host header), comma-separated, besides FEDMQ_CONSOLE_HOST; `*`: any. Keeps a web "
+        "page elsewhere from reaching it through a browser by DNS rebinding. Behind a proxy: its name",
+    )
+    console_secure_cookie: bool = Field(
+        False, description="`fedmq console`: mark its session cookie Secure (browsers then send it over "
+        "HTTPS only); set it behind a proxy that adds TLS",
+    )
     console_token: SecretStr | None = Field(
         None, description="`fedmq console`: the token that logs in (at least 16 characters); prefer "
         "FEDMQ_CONSOLE_TOKEN_FILE. The console refuses to start without one",

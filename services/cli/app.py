@@ -111,7 +111,7 @@ def check_spec(
     spec = load_job(job, overrides)
     from fedmq.common.jobcheck import complete_spec  # imports the Task: after the cheap checks
 
-    allowed = AllowList.project(settings.allowed_prefixes, spec_dir=(project or job.resolve().parent))
+    allowed = project_code(settings, project / "job.yaml" if project is not None else job)
     spec = complete_spec(spec, allowed)
     check_task(spec, allowed)
     return spec

@@ -7,12 +7,11 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
-from fedmq.common.jobspec import JobSpec
 from fedmq.common.logging import configure_logging
 from fedmq.services.cli.app import (
     EXIT_FAILED,
@@ -25,11 +24,7 @@ from fedmq.services.cli.app import (
 )
 from fedmq.services.cli.interrupt import EXIT_INTERRUPTED
 
-if TYPE_CHECKING:
-    from fedmq.services.cli.remote import Remote
-
 WATCH_POLL_S = 15.0  # with no event for this long, `watch` asks the scheduler directly
-PREFLIGHT_TIMEOUT_S = 5.0  # `submit` asks for the learners this long, then publishes anyway
 
 
 def _remote_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -77,6 +72,7 @@ def submit(
     spec = load_spec(job, rounds, seed, settings)
     from fedmq.common.messages import JobSubmit
     from fedmq.services.cli.embedded import new_job_id  # imports torch: after the spec's checks
+    from fedmq.services.cli.preflight import ask_learners
     from fedmq.services.cli.remote import Remote
 
     configure_logging(settings.log_format, "warning")
@@ -89,7 +85,7 @@ def submit(
         return f"interrupted before the broker confirmed job {job_id}; `fedmq status` shows whether it has it"
 
     with _on_interrupt(said), Remote(settings) as remote:
-        warning = _learners_warning(remote, spec)
+        warning = ask_learners(remote, spec)
         remote.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
         sent = True
     typer.echo(job_id)
@@ -99,19 +95,6 @@ def submit(
         watch(job_id)
     else:
         err.print(f"submitted; follow it with: fedmq watch {job_id}")
-
-
-def _learners_warning(remote: Remote, spec: JobSpec) -> str | None:
-    """What the scheduler's learner registry says of the job's chances; never a refusal."""
-    from fedmq.services.cli.preflight import learners_warning
-    from fedmq.services.cli.remote import SchedulerSilent
-
-    try:
-        reply = remote.status("learners", timeout=PREFLIGHT_TIMEOUT_S)
-    except SchedulerSilent:
-        return (f"no scheduler answered within {PREFLIGHT_TIMEOUT_S:g} s: the job waits in the broker's "
-                "queue until `fedmq scheduler` runs against this broker and vhost")
-    return learners_warning(spec, reply.learners)
 
 
 @app.command()

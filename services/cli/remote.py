@@ -165,7 +165,7 @@ def round_cells(history: list[dict[str, Any]]) -> tuple[list[str], list[list[str
         metrics = flat(record)
         rows.append([
             str(record["round"]), str(record.get("clients", "-")), str(record.get("failed", "-")),
-            *("-" if n not in metrics else f"{metrics[n]:.4f}" for n in names),
+            *(f"{metrics[n]:.4f}" if isinstance(metrics.get(n), int | float) else "-" for n in names),
             f"{record.get('seconds', 0.0):.2f}",
         ])
     return ["round", "clients", "failed", *names, "seconds"], rows

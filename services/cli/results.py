@@ -65,7 +65,7 @@ def download(
         job, record, weights, spec_json = fetch_model(remote, job_id, which)
     except Unfetchable as exc:
         _fail(str(exc), exc.code)
-    path = out or Path(f"{job_id}{_suffix(which)}.safetensors")
+    path = out or Path(f"{job_id}{suffix(which)}.safetensors")
     try:
         save_fetched(path, job_id, record, weights, spec_json)
     except StateUnwritable as exc:
@@ -253,7 +253,8 @@ def _unavailable(job_id: str, server_round: int, reason: str) -> str:
     return f"the aggregator did not send round {server_round}'s model of job {job_id}: {reason}"
 
 
-def _suffix(which: Which) -> str:
+def suffix(which: Which) -> str:
+    """What a model file's name adds to the job id: nothing for the final, -best, -round-N."""
     return "" if which == "final" else "-best" if which == "best" else f"-round-{which}"
 
 

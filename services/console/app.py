@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import jinja2
 import structlog
@@ -32,8 +33,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from fedmq.common.errors import FedmqError
+from fedmq.common.errors import FedmqError, StateUnwritable
 from fedmq.common.settings import Settings
+from fedmq.services.cli.app import EXIT_UNREACHABLE
 from fedmq.services.cli.remote import Remote, job_row, round_cells
 from fedmq.services.console import pages
 from fedmq.services.console.auth import FAILED_LOGIN_DELAY_S, Gate, guard, login_response, safe_next
@@ -42,22 +44,27 @@ log = structlog.get_logger("fedmq.console")
 
 HERE = Path(__file__).parent
 REFRESH_S = 2  # how often an open page asks for its live parts
+STATUS_TIMEOUT_S = 5.0  # a page waits this long for the scheduler (a thread of the pool waits with it)
 MAX_SPEC_UPLOAD = 256 * 1024  # a pasted or uploaded spec; the spec limits refuse far smaller ones anyway
 
 
 def create_app(settings: Settings, remote: Remote, token: str, project: Path | None = None) -> Starlette:
     """The console over a connected `remote`; `project`: the folder whose code a submitted spec may
     name besides FEDMQ_ALLOWED_CODE's (default: the working directory)."""
-    gate = Gate(token)
+    hosts = [*settings.console_allowed_hosts.split(","), settings.console_host]
+    gate = Gate(token, hosts=[h for h in hosts if h not in ("0.0.0.0", "::")],
+                secure_cookie=settings.console_secure_cookie)
     folder = project or Path.cwd()
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
-                             undefined=jinja2.StrictUndefined)
+    # A key a reply lacks (an older scheduler's) renders as nothing; `number` shows what is no number as -.
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True)
+    env.filters["number"] = pages.number
+    env.filters["part"] = lambda text: quote(str(text), safe="")  # a job id as one path segment
     templates = Jinja2Templates(env=env)
 
     def page(request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
         session = gate.session(request)
         said: list[str] = []
-        if session is not None and not name.startswith("_"):  # a whole page, not a live part
+        if session is not None and not request.url.path.startswith("/fragments/"):  # a whole page
             said, session.said = session.said, []
         return templates.TemplateResponse(request, name, {
             "csrf": session.csrf if session else "", "refresh_s": REFRESH_S, "said": said, **context,
@@ -75,11 +82,11 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
     # -- reading: the scheduler's status ---------------------------------------------------------
 
     def jobs_context() -> dict[str, Any]:
-        reply = remote.status("jobs")
+        reply = remote.status("jobs", timeout=STATUS_TIMEOUT_S)
         return {"fleet": reply.fleet, "rows": [(job["job_id"], *job_row(job)[1:]) for job in reply.jobs]}
 
     def job_context(job_id: str) -> dict[str, Any] | None:
-        reply = remote.status("job", job_id)
+        reply = remote.status("job", job_id, timeout=STATUS_TIMEOUT_S)
         if reply.error or not reply.jobs:
             return None
         job = reply.jobs[0]
@@ -112,7 +119,7 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
     def chart(request: Request) -> Response:
         job_id = request.path_params["job_id"]
         try:
-            reply = remote.status("job", job_id)
+            reply = remote.status("job", job_id, timeout=STATUS_TIMEOUT_S)
         except FedmqError as exc:
             return PlainTextResponse(str(exc), status_code=503)
         if reply.error or not reply.jobs:
@@ -132,14 +139,18 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
             return PlainTextResponse(str(exc), status_code=400)
         try:
             _, record, weights, spec_json = fetch_model(remote, job_id, which)
-        except Unfetchable as exc:
-            return page(request, "error.html", status_code=404 if exc.code == 2 else 503, message=str(exc))
-        except FedmqError as exc:
-            return failed(request, exc)
+        except Unfetchable as exc:  # no such job or round, a pruned model: 404; no aggregator: 503
+            return page(request, "error.html", status_code=503 if exc.code == EXIT_UNREACHABLE else 404,
+                        message=str(exc))
+        except (FedmqError, ConnectionError) as exc:  # the broker went away while it asked
+            return page(request, "error.html", status_code=503, message=str(exc))
         folder = tempfile.mkdtemp(prefix="fedmq-console-")
         path = Path(folder) / "model.safetensors"
         try:
             save_fetched(path, job_id, record, weights, spec_json)
+        except StateUnwritable as exc:
+            shutil.rmtree(folder, ignore_errors=True)
+            return page(request, "error.html", status_code=503, message=str(exc))
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -154,7 +165,7 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         )
 
     def learners_context() -> dict[str, Any]:
-        reply = remote.status("learners")
+        reply = remote.status("learners", timeout=STATUS_TIMEOUT_S)
         return {"fleet": reply.fleet, "learners": reply.learners}
 
     def learners_page(request: Request) -> Response:
@@ -164,7 +175,7 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         return _read(request, "_learners.html", learners_context)
 
     def groups_context() -> dict[str, Any]:
-        jobs = remote.status("jobs").jobs
+        jobs = remote.status("jobs", timeout=STATUS_TIMEOUT_S).jobs
         return {"groups": [job for job in jobs if job.get("ddp") is not None]}
 
     def groups_page(request: Request) -> Response:
@@ -185,6 +196,9 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         return page(request, "submit.html", text="", lines=[], general=[], warning=None)
 
     async def submit(request: Request) -> Response:
+        if int(request.headers.get("content-length") or 0) > 2 * MAX_SPEC_UPLOAD:  # before it is read
+            return page(request, "error.html", status_code=413,
+                        message=f"a job spec is at most {MAX_SPEC_UPLOAD} bytes")
         async with request.form(max_files=1, max_fields=8, max_part_size=MAX_SPEC_UPLOAD) as form:
             refused = gate.check_action(request, form)
             if refused:
@@ -205,7 +219,7 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         log.info("job_submitted", job_id=job_id, name=spec.name)
         say(request, f"submitted {job_id}")
         say(request, warning and f"warning: {warning}")
-        return RedirectResponse(f"/jobs/{job_id}", status_code=303)
+        return RedirectResponse(f"/jobs/{quote(job_id, safe='')}", status_code=303)
 
     async def cancel(request: Request) -> Response:
         job_id = request.path_params["job_id"]
@@ -219,7 +233,7 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
             return failed(request, exc)
         log.info("job_cancel", job_id=job_id, said=said)
         say(request, said)
-        return RedirectResponse(f"/jobs/{_quote(job_id)}", status_code=303)
+        return RedirectResponse(f"/jobs/{quote(job_id, safe='')}", status_code=303)
 
     # -- logging in and out ---------------------------------------------------------------------
 
@@ -231,8 +245,7 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
             given, target = form.get("token"), form.get("next")
         if isinstance(given, str) and gate.token_ok(given):
             log.info("console_login", client=request.client.host if request.client else "")
-            return login_response(gate, target if isinstance(target, str) else "/",
-                                  secure=request.url.scheme == "https")
+            return login_response(gate, request, target if isinstance(target, str) else "/")
         log.warning("console_login_refused", client=request.client.host if request.client else "")
         await asyncio.sleep(FAILED_LOGIN_DELAY_S)
         return page(request, "login.html", status_code=401,
@@ -294,10 +307,10 @@ def _send_job(remote: Remote, spec: Any) -> tuple[str, str | None]:
     """What `fedmq submit` sends once the spec is checked: the job id and the learners' warning."""
     from fedmq.common.messages import JobSubmit
     from fedmq.services.cli.embedded import new_job_id
-    from fedmq.services.cli.preflight import learners_warning
+    from fedmq.services.cli.preflight import ask_learners
 
     job_id = new_job_id(spec)
-    warning = learners_warning(spec, remote.status("learners").learners)
+    warning = ask_learners(remote, spec)
     remote.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
     return job_id, warning
 
@@ -306,7 +319,7 @@ def _cancel_job(remote: Remote, job_id: str) -> str:
     """`fedmq cancel`: the scheduler drops a cancel of a job it does not know, so ask first."""
     from fedmq.common.messages import JobCancel
 
-    reply = remote.status("job", job_id)
+    reply = remote.status("job", job_id, timeout=STATUS_TIMEOUT_S)
     if reply.error or not reply.jobs:
         return reply.error or f"no job {job_id!r}"
     state = reply.jobs[0]["status"]
@@ -314,12 +327,6 @@ def _cancel_job(remote: Remote, job_id: str) -> str:
         return f"job {job_id} is no longer running ({state}): nothing to cancel"
     remote.send(JobCancel(job_id=job_id, reason="cancelled from the console"))
     return f"cancel requested for {job_id}"
-
-
-def _quote(text: str) -> str:
-    from urllib.parse import quote
-
-    return quote(text[:300], safe="")
 
 
 def main(settings: Settings) -> None:

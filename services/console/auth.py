@@ -10,14 +10,15 @@ Sessions live in this process's memory only: a restarted console asks for the to
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
@@ -39,12 +40,15 @@ class Session:
 class Gate:
     """Who may do what: the token, the sessions it opened, their CSRF tokens."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, hosts: Iterable[str] = ("localhost", "127.0.0.1", "::1"),
+                 secure_cookie: bool = False) -> None:
         self._digest = hashlib.sha256(token.encode()).digest()
         self._sessions: dict[str, Session] = {}
+        self.hosts = frozenset(h.strip().strip("[]").lower() for h in hosts if h.strip())
+        self.secure_cookie = secure_cookie
 
     def token_ok(self, given: str) -> bool:
-        return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), self._digest)
+        return hmac.compare_digest(hashlib.sha256(given.encode("utf-8", "replace")).digest(), self._digest)
 
     def open(self) -> tuple[str, Session]:
         now = time.monotonic()
@@ -71,6 +75,10 @@ class Gate:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and bool(given) and self.token_ok(given.strip())
 
+    def host_ok(self, request: Request) -> bool:
+        """The Host the browser asked for is one of ours (DNS rebinding gets a foreign name here)."""
+        return "*" in self.hosts or (request.url.hostname or "").lower() in self.hosts
+
     def check_action(self, request: Request, form: Mapping[str, Any]) -> str | None:
         """Why a state-changing request is refused (None: it may go on): a bearer token, or the
         session's CSRF token in the form and, where the browser says where it came from, our origin."""
@@ -83,7 +91,8 @@ class Gate:
         if origin is not None and not same_origin(origin, request):
             return f"refused a request from another site ({origin})"
         given = form.get("csrf")
-        if not isinstance(given, str) or not hmac.compare_digest(given, session.csrf):
+        if not isinstance(given, str) or not hmac.compare_digest(given.encode("utf-8", "replace"),
+                                                                 session.csrf.encode()):
             return "the form's CSRF token is missing or stale: reload the page and try again"
         return None
 
@@ -100,11 +109,13 @@ def safe_next(path: str | None) -> str:
     return path
 
 
-def login_response(gate: Gate, target: str, secure: bool) -> Response:
+def login_response(gate: Gate, request: Request, target: str) -> Response:
+    """A new session (the one the request had, if any, is closed) and the way to `target`."""
+    gate.close(request.cookies.get(COOKIE, ""))
     key, _ = gate.open()
     response = RedirectResponse(safe_next(target), status_code=303)
-    response.set_cookie(COOKIE, key, max_age=int(SESSION_S), httponly=True, samesite="strict", secure=secure,
-                        path="/")
+    response.set_cookie(COOKIE, key, max_age=int(SESSION_S), httponly=True, samesite="strict",
+                        secure=gate.secure_cookie or request.url.scheme == "https", path="/")
     return response
 
 
@@ -126,11 +137,17 @@ def guard(gate: Gate) -> Callable[[Request, Callable[[Request], Awaitable[Respon
 
     async def dispatch(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         path = request.url.path
-        if not path.startswith(PUBLIC) and gate.session(request) is None and not gate.bearer(request):
+        if not gate.host_ok(request):
+            response: Response = PlainTextResponse(
+                f"this console does not answer to the host name {request.url.hostname!r} "
+                "(FEDMQ_CONSOLE_ALLOWED_HOSTS)", status_code=421)
+        elif not path.startswith(PUBLIC) and gate.session(request) is None and not gate.bearer(request):
+            if "authorization" in request.headers:  # a wrong bearer token waits, as a wrong login does
+                await asyncio.sleep(FAILED_LOGIN_DELAY_S)
             wants_page = "text/html" in request.headers.get("accept", "")
             if request.method == "GET" and wants_page and not path.startswith("/fragments/"):
                 query = f"?{request.url.query}" if request.url.query else ""
-                response: Response = RedirectResponse(f"/login?next={_quote(path + query)}", status_code=303)
+                response = RedirectResponse(f"/login?next={quote(path + query, safe='/')}", status_code=303)
             else:
                 response = PlainTextResponse("log in to the console first (or send Authorization: Bearer)",
                                              status_code=401)
@@ -141,9 +158,3 @@ def guard(gate: Gate) -> Callable[[Request, Callable[[Request], Awaitable[Respon
         return response
 
     return dispatch
-
-
-def _quote(path: str) -> str:
-    from urllib.parse import quote
-
-    return quote(path, safe="/")

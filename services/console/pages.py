@@ -21,6 +21,7 @@ from fedmq.common.settings import Settings
 from fedmq.services.cli.history import JobHistory, Which
 
 FAILURES_SHOWN = 50
+PLACED = 200  # a spec's problems placed on their lines; past these, listed above the spec
 _FIELD = re.compile(r"^\s*- ([^:\s]+): (.*)$")
 _YAML_LINE = re.compile(r"line (\d+)")
 
@@ -52,13 +53,19 @@ def check_text(text: str, settings: Settings, project: Path) -> tuple[JobSpec | 
 
 def problems(message: str, text: str) -> list[Problem]:
     """A ConfigError's lines, each placed on the spec line it names: a field's ("- train.lr: ..."), or
-    the line a YAML error gives; the rest are about the whole spec."""
+    the line a YAML error gives; the rest are about the whole spec. The spec is parsed once, and only
+    the first PLACED problems are placed (a spec may hold thousands of unknown keys)."""
     found: list[Problem] = []
     head: list[str] = []
+    lines: dict[str, int] | None = None
     for raw in message.splitlines():
         field = _FIELD.match(raw)
         if field:
-            found.append(Problem(line_of(text, field.group(1)), f"{field.group(1)}: {field.group(2)}"))
+            if lines is None:
+                lines = key_lines(text)
+            where = nearest(lines, field.group(1)) if len(found) < PLACED else None
+            found.append(Problem(where,
+                                 f"{field.group(1)}: {field.group(2)}"))
         elif raw.strip():
             head.append(raw.strip())
     if head and found and len(head) == 1 and head[0].endswith("is invalid:"):
@@ -71,26 +78,45 @@ def problems(message: str, text: str) -> list[Problem]:
     return found
 
 
+def key_lines(text: str) -> dict[str, int]:
+    """The 1-based line of every key and list item of a YAML document, by dotted path (a.b.0.c);
+    {} if it does not parse. One walk, no recursion."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    lines: dict[str, int] = {}
+    todo: list[tuple[str, Any]] = [("", root)]
+    while todo:
+        path, node = todo.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    child = f"{path}.{key.value}" if path else str(key.value)
+                    lines.setdefault(child, key.start_mark.line + 1)
+                    todo.append((child, value))
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                child = f"{path}.{index}" if path else str(index)
+                lines.setdefault(child, item.start_mark.line + 1)
+                todo.append((child, item))
+    return lines
+
+
+def nearest(lines: dict[str, int], dotted: str) -> int | None:
+    """The line of `dotted`, else of its nearest parent the document has."""
+    parts = dotted.split(".")
+    while parts:
+        line = lines.get(".".join(parts))
+        if line is not None:
+            return line
+        parts.pop()
+    return None
+
+
 def line_of(text: str, dotted: str) -> int | None:
     """The 1-based line of the YAML key at `dotted` (a.b.0.c), or of its nearest parent found."""
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return None
-    line = None
-    for part in dotted.split("."):
-        if isinstance(node, yaml.MappingNode):
-            keys = (kv for kv in node.value if isinstance(kv[0], yaml.ScalarNode) and kv[0].value == part)
-            pair = next(keys, None)
-            if pair is None:
-                break
-            line, node = pair[0].start_mark.line + 1, pair[1]
-        elif isinstance(node, yaml.SequenceNode) and part.isdigit() and int(part) < len(node.value):
-            node = node.value[int(part)]
-            line = node.start_mark.line + 1
-        else:
-            break
-    return line
+    return nearest(key_lines(text), dotted)
 
 
 def annotated_lines(text: str, found: list[Problem]) -> list[tuple[int, str, list[str]]]:
@@ -113,7 +139,10 @@ def chart_png(job: dict[str, Any]) -> bytes | None:
     """`fedmq plot`'s figure of the job, as PNG; None before its first round."""
     from fedmq.services.cli.chart import default_metrics, metrics_figure
 
-    history = JobHistory.of(job)
+    try:
+        history = JobHistory.of(job)
+    except ValueError:  # no rounds list: a scheduler older than the console
+        return None
     if not history.records:
         return None
     figure = metrics_figure(history, default_metrics(history))
@@ -133,5 +162,15 @@ def which_model(value: str) -> Which:
 
 def file_name(job_id: str, which: Which) -> str:
     """The download's file name, as `fedmq model` names it; only [A-Za-z0-9_.-] (a header's value)."""
-    suffix = "" if which == "final" else "-best" if which == "best" else f"-round-{which}"
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{job_id}{suffix}") + ".safetensors"
+    from fedmq.services.cli.results import suffix
+
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{job_id}{suffix(which)}") + ".safetensors"
+
+
+def number(value: Any) -> str:
+    """A metric as the pages show it: 4 decimals, whole numbers as such, "-" for what is no number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "-"
+    if float(value).is_integer() and abs(value) >= 1000:
+        return f"{int(value):,}"
+    return f"{value:.4f}"

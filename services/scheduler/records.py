@@ -16,8 +16,10 @@ from fedmq.common.messages import EvalReport, RoundClosed, UpdateAccepted
 from fedmq.common.seeding import numpy_rng
 from fedmq.common.task.metrics import lookup, reduce_metrics
 
-FAILURES_KEPT = 20  # of one round's failed clients, in its record: enough to see why, bounded
-FAILURE_REASON_CHARS = 500
+# Of one round's failed clients, in its record: enough to see why, and at most ~3 KB a round (the
+# history travels whole in status replies). The reason names where it ran: the learner, or "engine".
+FAILURES_KEPT = 10
+FAILURE_REASON_CHARS = 300
 
 
 def add_sync(sync: dict[str, float], msg: UpdateAccepted) -> None:

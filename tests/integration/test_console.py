@@ -18,14 +18,16 @@ from typer.testing import CliRunner
 from fedmq.common.checkpoint import load_state
 from fedmq.common.codec.state import state_digest
 from fedmq.common.errors import ConfigError
+from fedmq.common.messages import Message, StatusReply
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import EmbeddedCluster
 from fedmq.services.cli.main import app as cli
-from fedmq.services.cli.remote import Remote
+from fedmq.services.cli.remote import Remote, SchedulerSilent
 from fedmq.services.console.app import create_app
 from fedmq.services.console.auth import safe_next
 from fedmq.services.console.pages import check_text, line_of, problems
-from tests.conftest import REPO, small_job
+from tests.conftest import REPO, shard_size, small_job
+from tests.integration import train_plugins
 
 TOKEN = "a-test-token-of-some-length"
 PAGE = {"accept": "text/html"}
@@ -41,7 +43,7 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
         try:
             with Remote(settings, bus=bus) as remote:
                 app = create_app(settings, remote, TOKEN, project=REPO)
-                with TestClient(app, base_url="http://console") as c:
+                with TestClient(app, base_url="http://localhost") as c:
                     yield c
         finally:
             bus.stop()
@@ -77,12 +79,15 @@ def test_nothing_but_the_login_page_without_the_token(client: TestClient) -> Non
 
 
 def test_every_response_forbids_framing_and_foreign_scripts(client: TestClient) -> None:
-    response = client.get("/login")
-    policy = response.headers["content-security-policy"]
-    assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy
-    assert response.headers["x-frame-options"] == "DENY"
-    assert response.headers["x-content-type-options"] == "nosniff"
-    assert "<script>" not in response.text  # no inline script: the policy would block it anyway
+    refused = [client.get(path) for path in ("/login", "/fragments/jobs", "/static/console.js")]
+    log_in(client)
+    shown = [client.get(path) for path in ("/", "/fragments/jobs", "/learners", "/submit", "/jobs/nope")]
+    for response in refused + shown:
+        policy = response.headers["content-security-policy"]
+        assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy, response.url
+        assert response.headers["x-frame-options"] == "DENY"
+        assert response.headers["x-content-type-options"] == "nosniff"
+        assert "<script>" not in response.text  # no inline script: the policy would block it anyway
 
 
 def test_actions_need_the_sessions_csrf_token_and_our_origin(client: TestClient) -> None:
@@ -94,7 +99,7 @@ def test_actions_need_the_sessions_csrf_token_and_our_origin(client: TestClient)
     assert foreign.status_code == 403 and "another site" in foreign.text
     assert client.post("/jobs/x/cancel", data={}).status_code == 403
     assert "No jobs yet" in client.get("/fragments/jobs").text  # nothing refused was sent
-    sent = client.post("/submit", data={"spec": text, "csrf": csrf}, headers={"origin": "http://console"},
+    sent = client.post("/submit", data={"spec": text, "csrf": csrf}, headers={"origin": "http://localhost"},
                        follow_redirects=False)
     assert sent.status_code == 303 and sent.headers["location"].startswith("/jobs/tiny-")
     client.post("/logout", data={"csrf": csrf})
@@ -172,6 +177,12 @@ def test_problems_are_placed_on_the_lines_they_are_about(tmp_path: Path) -> None
     spec, found = check_text(spec_text(), settings, REPO)
     assert spec is not None and found == []
 
+    many = spec_text() + "".join(f"extra{n}: {n}\n" for n in range(300))  # parsed once, not once each
+    spec, found = check_text(many, settings, REPO)
+    assert spec is None and len(found) == 301
+    assert [p.line for p in found[1:4]] == [len(spec_text().splitlines()) + n for n in (1, 2, 3)]
+    assert sum(p.line is not None for p in found) == 200 and "shown beside" not in found[0].message
+
 
 def test_only_paths_of_this_site_follow_a_login() -> None:
     assert safe_next("/jobs/a?x=1") == "/jobs/a?x=1"
@@ -197,3 +208,96 @@ def test_the_console_needs_a_token_of_its_own(tmp_path: Path) -> None:
     unset: dict[str, str | None] = {"FEDMQ_CONSOLE_TOKEN": None, "FEDMQ_CONSOLE_TOKEN_FILE": None}
     refused = CliRunner().invoke(cli, ["console"], env=unset)
     assert refused.exit_code == 2 and "no default one" in refused.output
+
+
+def test_only_our_host_names_are_answered(client: TestClient) -> None:
+    rebound = client.get("/login", headers={"host": "attacker.example"})
+    assert rebound.status_code == 421 and "FEDMQ_CONSOLE_ALLOWED_HOSTS" in rebound.text
+    assert client.get("/login", headers={"host": "127.0.0.1:8080"}).status_code == 200
+
+
+def test_a_csrf_token_that_is_not_ascii_is_refused_not_a_crash(client: TestClient) -> None:
+    log_in(client)
+    assert client.post("/jobs/x/cancel", data={"csrf": "é" * 43}).status_code == 403
+
+
+def test_a_failed_clients_reason_round_and_phase_are_on_its_jobs_page(
+    client: TestClient, tmp_path: Path
+) -> None:
+    csrf = log_in(client)
+    spec = small_job(clients__min_fit=4, clients__on_error="drop_client", rounds=2,
+                     task__name="tests.integration.train_plugins:Failing")
+    train_plugins.FAIL_SIZE[0] = shard_size(spec, 0)
+    try:
+        text = yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True))
+        job_id = client.post("/submit", data={"spec": text, "csrf": csrf}, follow_redirects=False
+                             ).headers["location"].removeprefix("/jobs/")
+        deadline = time.monotonic() + 120
+        while 'class="status completed"' not in (part := client.get(f"/fragments/jobs/{job_id}").text):
+            assert time.monotonic() < deadline, "the job did not complete"
+            time.sleep(0.2)
+    finally:
+        train_plugins.reset()
+    failures = part[part.index("Failed clients"):part.index("<h2>Rounds")]
+    rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td><td>(\w+)</td><td>([^<]*)</td></tr>", failures)
+    assert [row[:3] for row in rows] == [("2", "0", "train"), ("1", "0", "train")]  # newest first
+    assert all("RuntimeError: simulated out-of-memory" in row[3] for row in rows)
+    assert "learners: 1 alive" in client.get("/learners").text
+
+
+class Scripted:
+    """A Remote whose scheduler answers what the test says (an older one, a silent one): what a page
+    does with such answers, without a cluster."""
+
+    def __init__(self, jobs: list[dict], learners: list[dict], silent: bool = False) -> None:
+        self.jobs, self.learners, self.silent = jobs, learners, silent
+        self.sent: list[Message] = []
+
+    def status(self, what: str = "jobs", job_id: str = "", timeout: float = 10.0) -> StatusReply:
+        if self.silent:
+            raise SchedulerSilent("no scheduler answered")
+        if what == "job":
+            found = [j for j in self.jobs if j["job_id"] == job_id]
+            return StatusReply(jobs=found, error=None if found else f"no job {job_id!r}")
+        return StatusReply(jobs=self.jobs, learners=self.learners)
+
+    def send(self, msg: Message) -> None:
+        self.sent.append(msg)
+
+
+def scripted_client(remote: Scripted, tmp_path: Path) -> TestClient:
+    app = create_app(Settings(state_dir=tmp_path), remote, TOKEN, project=REPO)  # type: ignore[arg-type]
+    return TestClient(app, base_url="http://localhost")
+
+
+MARKUP = '<img src=x onerror="alert(1)">'
+
+
+def test_pages_take_an_older_schedulers_answers_and_escape_what_they_carry(tmp_path: Path) -> None:
+    jobs = [  # the least a scheduler has ever sent; markup wherever text comes from outside
+        {"job_id": "old-1", "status": "failed", "round": 2, "rounds": 5, "reason": MARKUP,
+         "history": [{"round": 1, "metrics": {"server": {"accuracy": None}},
+                      "failures": [{"client": 3, "phase": "train", "reason": MARKUP}]}]},
+        {"job_id": "ddp-1", "name": "d", "status": "completed", "round": 1, "rounds": 1,
+         "ddp": {"attempt": 0, "members": [], "world_size": 2, "master_addr": "", "master_port": 29500,
+                 "backend": "auto", "restarts_used": 0, "max_restarts": 0}},
+    ]
+    learners = [{"learner": MARKUP, "device": "cpu", "busy": False, "alive": True}]
+    with scripted_client(Scripted(jobs, learners), tmp_path) as c:
+        log_in(c)
+        for path in ("/", "/jobs/old-1", "/fragments/jobs/old-1", "/learners", "/groups"):
+            page = c.get(path)
+            assert page.status_code == 200, (path, page.text[-500:])
+            assert MARKUP not in page.text, path
+        assert "&lt;img src=x onerror=&#34;alert(1)&#34;&gt;" in c.get("/jobs/old-1").text
+        assert "the group has ended (completed)" in c.get("/groups").text
+        assert c.get("/jobs/old-1/chart.png").status_code in (200, 404)
+
+
+def test_submit_sends_the_job_with_a_warning_when_no_scheduler_answers(tmp_path: Path) -> None:
+    remote = Scripted([], [], silent=True)
+    with scripted_client(remote, tmp_path) as c:
+        csrf = log_in(c)
+        sent = c.post("/submit", data={"spec": spec_text(), "csrf": csrf})
+        assert [m.type for m in remote.sent] == ["job_submit"]  # as `fedmq submit` does
+        assert "no scheduler answered within 5 s" in sent.text
