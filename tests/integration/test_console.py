@@ -299,5 +299,5 @@ def test_submit_sends_the_job_with_a_warning_when_no_scheduler_answers(tmp_path:
     with scripted_client(remote, tmp_path) as c:
         csrf = log_in(c)
         sent = c.post("/submit", data={"spec": spec_text(), "csrf": csrf})
-        assert [m.type for m in remote.sent] == ["job_submit"]  # as `fedmq submit` does
+        assert [type(m).__name__ for m in remote.sent] == ["JobSubmit"]  # as `fedmq submit` does
         assert "no scheduler answered within 5 s" in sent.text
