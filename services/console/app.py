@@ -38,7 +38,7 @@ from fedmq.common.settings import Settings
 from fedmq.services.cli.app import EXIT_UNREACHABLE
 from fedmq.services.cli.remote import Remote, job_row, round_cells
 from fedmq.services.console import pages
-from fedmq.services.console.auth import FAILED_LOGIN_DELAY_S, Gate, guard, login_response, safe_next
+from fedmq.services.console.auth import COOKIE, FAILED_LOGIN_DELAY_S, Gate, guard, login_response, safe_next
 
 log = structlog.get_logger("fedmq.console")
 
@@ -83,7 +83,7 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
 
     def jobs_context() -> dict[str, Any]:
         reply = remote.status("jobs", timeout=STATUS_TIMEOUT_S)
-        return {"fleet": reply.fleet, "rows": [(job["job_id"], *job_row(job)[1:]) for job in reply.jobs]}
+        return {"fleet": reply.fleet, "rows": [job_row(job) for job in reply.jobs]}
 
     def job_context(job_id: str) -> dict[str, Any] | None:
         reply = remote.status("job", job_id, timeout=STATUS_TIMEOUT_S)
@@ -193,10 +193,11 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
     # -- acting: submit, cancel -----------------------------------------------------------------
 
     def submit_page(request: Request) -> Response:
-        return page(request, "submit.html", text="", lines=[], general=[], warning=None)
+        return page(request, "submit.html", text="", lines=[], general=[])
 
     async def submit(request: Request) -> Response:
-        if int(request.headers.get("content-length") or 0) > 2 * MAX_SPEC_UPLOAD:  # before it is read
+        length = request.headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > 2 * MAX_SPEC_UPLOAD:  # before it is read
             return page(request, "error.html", status_code=413,
                         message=f"a job spec is at most {MAX_SPEC_UPLOAD} bytes")
         async with request.form(max_files=1, max_fields=8, max_part_size=MAX_SPEC_UPLOAD) as form:
@@ -205,13 +206,13 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
                 return page(request, "error.html", status_code=403, message=refused)
             text = await _spec_text(form)
         if text is None:
-            return page(request, "submit.html", status_code=400, text="", lines=[], warning=None,
+            return page(request, "submit.html", status_code=400, text="", lines=[],
                         general=[f"the spec must be UTF-8 text of at most {MAX_SPEC_UPLOAD} bytes"])
         spec, found = await run_in_threadpool(pages.check_text, text, settings, folder)
         if spec is None:
             return page(request, "submit.html", status_code=400, text=text,
                         lines=pages.annotated_lines(text, found),
-                        general=[p.message for p in found if p.line is None], warning=None)
+                        general=[p.message for p in found if p.line is None])
         try:
             job_id, warning = await run_in_threadpool(_send_job, remote, spec)
         except FedmqError as exc:
@@ -256,9 +257,9 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
             refused = gate.check_action(request, form)
         if refused:
             return page(request, "error.html", status_code=403, message=refused)
-        gate.close(request.cookies.get("fedmq_console", ""))
+        gate.close(request.cookies.get(COOKIE, ""))
         response = RedirectResponse("/login", status_code=303)
-        response.delete_cookie("fedmq_console", path="/")
+        response.delete_cookie(COOKIE, path="/")
         return response
 
     def healthz(request: Request) -> Response:
