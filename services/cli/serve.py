@@ -45,18 +45,19 @@ def learner() -> None:
 
 
 
-
 @app.command()
 def console(
     host: Annotated[str | None, typer.Option(
-        help="the address to listen on [default: FEDMQ_CONSOLE_HOST, 127.0.0.1]")] = None,
-    port: Annotated[int | None, typer.Option(help="the port [default: FEDMQ_CONSOLE_PORT, 8080]")] = None,
+        help="the address to listen on \\[default: FEDMQ_CONSOLE_HOST, 127.0.0.1]")] = None,
+    port: Annotated[int | None, typer.Option(help="the port \\[default: FEDMQ_CONSOLE_PORT, 8080]")] = None,
 ) -> None:
     """Serve the web console: jobs, rounds, learners and DDP groups; submit, cancel, download.
 
-    It talks to the scheduler and aggregator through the broker as the CLI does (its broker user),
-    and logs in with FEDMQ_CONSOLE_TOKEN_FILE (or FEDMQ_CONSOLE_TOKEN): it has no default password.
-    Needs the console extra: pip install 'fedmq[console]'.
+    It asks the scheduler and the aggregator through the broker, as the CLI does, with its broker user.
+
+    It logs in with FEDMQ_CONSOLE_TOKEN_FILE (or FEDMQ_CONSOLE_TOKEN) and has no default password.
+
+    Needs the console extra: pip install 'fedmq\\[console]' (docs/console.md).
     """
     try:
         import starlette  # noqa: F401
