@@ -111,7 +111,8 @@ def check_spec(
     spec = load_job(job, overrides)
     from fedmq.common.jobcheck import complete_spec  # imports the Task: after the cheap checks
 
-    allowed = project_code(settings, project / "job.yaml" if project is not None else job)
+    allowed = (project_code(settings, job) if project is None
+               else AllowList.project(settings.allowed_prefixes, spec_dir=project))
     spec = complete_spec(spec, allowed)
     check_task(spec, allowed)
     return spec

@@ -131,11 +131,19 @@ class Remote:
 
 def job_row(job: dict[str, Any]) -> list[str]:
     """A row of `fedmq status`: the job's headline metric (its objective's, where it has one)."""
-    shown = headline({"metrics": job.get("metrics", {})}, (job.get("objective") or {}).get("metric"))
+    shown = headline({"metrics": job.get("metrics") or {}}, (job.get("objective") or {}).get("metric"))
     return [
-        job["job_id"], job["status"], f"{job['round']}/{job['rounds']}",
-        "-" if shown is None else f"{shown[0]} {shown[1]:.4f}", (job.get("reason") or "")[:60],
+        str(job.get("job_id", "-")), str(job.get("status", "-")),
+        f"{job.get('round', '-')}/{job.get('rounds', '-')}",
+        "-" if shown is None else f"{shown[0]} {_number(shown[1])}", (job.get("reason") or "")[:60],
     ]
+
+
+def _number(value: Any, digits: int = 4) -> str:
+    """A metric or a time as the tables show it; "-" for what is no number (an older scheduler's None)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "-"
+    return f"{value:.{digits}f}"
 
 
 def jobs_table(jobs: list[dict[str, Any]]) -> Table:
@@ -165,7 +173,6 @@ def round_cells(history: list[dict[str, Any]]) -> tuple[list[str], list[list[str
         metrics = flat(record)
         rows.append([
             str(record["round"]), str(record.get("clients", "-")), str(record.get("failed", "-")),
-            *(f"{metrics[n]:.4f}" if isinstance(metrics.get(n), int | float) else "-" for n in names),
-            f"{record.get('seconds', 0.0):.2f}",
+            *(_number(metrics.get(n)) for n in names), _number(record.get("seconds", 0.0), 2),
         ])
     return ["round", "clients", "failed", *names, "seconds"], rows

@@ -65,7 +65,7 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         session = gate.session(request)
         said: list[str] = []
         if session is not None and not request.url.path.startswith("/fragments/"):  # a whole page
-            said, session.said = session.said, []
+            said = session.take_said()
         return templates.TemplateResponse(request, name, {
             "csrf": session.csrf if session else "", "refresh_s": REFRESH_S, "said": said, **context,
         }, status_code=status_code)
@@ -74,7 +74,7 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         """A line the next page shows once, to this session (an action's outcome)."""
         session = gate.session(request)
         if session is not None and line:
-            session.said.append(line)
+            session.say(line)
 
     def failed(request: Request, exc: FedmqError, status_code: int = 503) -> Response:
         return page(request, "error.html", status_code=status_code, message=str(exc))
@@ -144,6 +144,8 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
                         message=str(exc))
         except (FedmqError, ConnectionError) as exc:  # the broker went away while it asked
             return page(request, "error.html", status_code=503, message=str(exc))
+        except ValueError as exc:  # a scheduler's answer without the job's rounds (an older one)
+            return page(request, "error.html", status_code=503, message=f"the scheduler's answer: {exc}")
         folder = tempfile.mkdtemp(prefix="fedmq-console-")
         path = Path(folder) / "model.safetensors"
         try:
@@ -196,8 +198,10 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         return page(request, "submit.html", text="", lines=[], general=[])
 
     async def submit(request: Request) -> Response:
-        length = request.headers.get("content-length", "0")
-        if not length.isdigit() or int(length) > 2 * MAX_SPEC_UPLOAD:  # before it is read
+        length = request.headers.get("content-length", "")  # a browser's form always says its length
+        if not length.isdigit():
+            return page(request, "error.html", status_code=411, message="send the form with its length")
+        if int(length) > 2 * MAX_SPEC_UPLOAD:  # before it is read
             return page(request, "error.html", status_code=413,
                         message=f"a job spec is at most {MAX_SPEC_UPLOAD} bytes")
         async with request.form(max_files=1, max_fields=8, max_part_size=MAX_SPEC_UPLOAD) as form:
@@ -211,8 +215,7 @@ def create_app(settings: Settings, remote: Remote, token: str, project: Path | N
         spec, found = await run_in_threadpool(pages.check_text, text, settings, folder)
         if spec is None:
             return page(request, "submit.html", status_code=400, text=text,
-                        lines=pages.annotated_lines(text, found),
-                        general=[p.message for p in found if p.line is None])
+                        lines=pages.annotated_lines(text, found), general=pages.listed(found))
         try:
             job_id, warning = await run_in_threadpool(_send_job, remote, spec)
         except FedmqError as exc:

@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import hmac
 import secrets
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ SESSION_S = 12 * 3600.0
 MAX_SESSIONS = 1000  # the oldest goes past this: logins cannot grow the process without bound
 FAILED_LOGIN_DELAY_S = 0.5  # each wrong token waits this long before its answer
 PUBLIC = ("/login", "/static/", "/healthz")
+SAID_KEPT = 20
 
 
 @dataclass
@@ -35,6 +37,17 @@ class Session:
     csrf: str
     expires: float
     said: list[str] = field(default_factory=list)  # what the next page says once (an action's outcome)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def say(self, line: str) -> None:
+        """Keep a line for the next page (the last SAID_KEPT of them)."""
+        with self._lock:
+            self.said = [*self.said, line][-SAID_KEPT:]
+
+    def take_said(self) -> list[str]:
+        with self._lock:
+            said, self.said = self.said, []
+        return said
 
 
 class Gate:
@@ -137,7 +150,7 @@ def guard(gate: Gate) -> Callable[[Request, Callable[[Request], Awaitable[Respon
 
     async def dispatch(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         path = request.url.path
-        if not gate.host_ok(request):
+        if not gate.host_ok(request) and path != "/healthz":  # a probe asks by the pod's address
             response: Response = PlainTextResponse(
                 f"this console does not answer to the host name {request.url.hostname!r} "
                 "(FEDMQ_CONSOLE_ALLOWED_HOSTS)", status_code=421)

@@ -22,6 +22,7 @@ from fedmq.services.cli.history import JobHistory, Which
 
 FAILURES_SHOWN = 50
 PLACED = 200  # a spec's problems placed on their lines; past these, listed above the spec
+LISTED = 50  # problems listed above the spec, the rest counted
 _FIELD = re.compile(r"^\s*- ([^:\s]+): (.*)$")
 _YAML_LINE = re.compile(r"line (\d+)")
 
@@ -117,6 +118,14 @@ def nearest(lines: dict[str, int], dotted: str) -> int | None:
 def line_of(text: str, dotted: str) -> int | None:
     """The 1-based line of the YAML key at `dotted` (a.b.0.c), or of its nearest parent found."""
     return nearest(key_lines(text), dotted)
+
+
+def listed(found: list[Problem]) -> list[str]:
+    """The problems about no line, as the page lists them above the spec: the first LISTED, then a count."""
+    loose = [p.message for p in found if p.line is None]
+    if len(loose) <= LISTED:
+        return loose
+    return [*loose[:LISTED], f"... and {len(loose) - LISTED} more"]
 
 
 def annotated_lines(text: str, found: list[Problem]) -> list[tuple[int, str, list[str]]]:

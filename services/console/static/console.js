@@ -5,6 +5,7 @@
 (function () {
   "use strict";
   var MAX_WAIT_MS = 60000;
+  var ANSWER_MS = 30000;  // a request unanswered this long is given up, and counts as a failure
   function every(el) { return Math.max(1, Number(el.dataset.every || 2)) * 1000; }
 
   // Ask, then wait `every` (doubled after each failure) before asking again.
@@ -22,22 +23,35 @@
   }
 
   function fragment(el) {
-    return fetch(el.dataset.refresh, { credentials: "same-origin", headers: { "Accept": "text/html" } })
+    var abort = new AbortController();
+    var timer = setTimeout(function () { abort.abort(); }, ANSWER_MS);
+    return fetch(el.dataset.refresh, {
+      credentials: "same-origin", headers: { "Accept": "text/html" }, signal: abort.signal
+    })
       .then(function (r) { return r.ok ? r.text() : null; })
       .then(function (html) {
+        clearTimeout(timer);
         if (html === null) { return false; }
         el.innerHTML = html;
         return true;
-      });
+      }, function () { clearTimeout(timer); return false; });
   }
 
-  // A chart that is not there yet (a job before its first round) stays hidden until one loads.
+  // A chart that is not there yet (a job before its first round) stays hidden until one loads, and
+  // is asked for at the usual pace meanwhile: not there yet is no failure. Once shown, a failed
+  // reload backs off as a fragment's does.
   function chart(img) {
     return new Promise(function (resolve) {
       var base = img.getAttribute("src").split("?")[0];
       var next = new Image();
-      next.onload = function () { img.src = next.src; img.hidden = false; resolve(true); };
-      next.onerror = function () { resolve(false); };
+      var timer = setTimeout(function () { next.src = ""; resolve(img.hidden); }, ANSWER_MS);
+      next.onload = function () {
+        clearTimeout(timer);
+        img.src = next.src;
+        img.hidden = false;
+        resolve(true);
+      };
+      next.onerror = function () { clearTimeout(timer); resolve(img.hidden); };
       next.src = base + "?t=" + Date.now();
     });
   }
