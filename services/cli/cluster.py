@@ -70,9 +70,7 @@ def submit(
     """Validate a job spec here, then hand it to the scheduler; prints the job id."""
     settings = make_settings()
     spec = load_spec(job, rounds, seed, settings)
-    from fedmq.common.messages import JobSubmit
     from fedmq.services.cli.embedded import new_job_id  # imports torch: after the spec's checks
-    from fedmq.services.cli.preflight import ask_learners
     from fedmq.services.cli.remote import Remote
 
     configure_logging(settings.log_format, "warning")
@@ -85,8 +83,7 @@ def submit(
         return f"interrupted before the broker confirmed job {job_id}; `fedmq status` shows whether it has it"
 
     with _on_interrupt(said), Remote(settings) as remote:
-        warning = ask_learners(remote, spec)
-        remote.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
+        warning = remote.submit(spec, job_id)
         sent = True
     typer.echo(job_id)
     if warning:
@@ -206,21 +203,19 @@ def status(
 @_remote_errors
 def cancel(job_id: Annotated[str, typer.Argument(help="job id")]) -> None:
     """Stop a running job; its checkpoints stay on disk."""
-    from fedmq.common.messages import JobCancel
-    from fedmq.services.cli.remote import Remote
+    from fedmq.services.cli.remote import Remote, UnknownJob
 
     settings = make_settings()
     configure_logging(settings.log_format, "warning")
     with Remote(settings) as remote:
-        reply = remote.status("job", job_id)  # the scheduler drops a cancel of a job it does not know
-        if reply.error:
-            err.print(f"[red]error:[/] {reply.error}; `fedmq status` lists the jobs", highlight=False)
-            raise typer.Exit(EXIT_USAGE)
-        state = reply.jobs[0]["status"]
-        if state != "running":
-            err.print(f"job {job_id} is no longer running ({state}): nothing to cancel", highlight=False)
-            return
-        remote.send(JobCancel(job_id=job_id))
+        try:
+            not_sent = remote.cancel(job_id)
+        except UnknownJob as exc:
+            err.print(f"[red]error:[/] {exc}; `fedmq status` lists the jobs", highlight=False)
+            raise typer.Exit(EXIT_USAGE) from None
+    if not_sent:
+        err.print(not_sent, highlight=False)
+        return
     err.print(f"cancel requested for {job_id}", highlight=False)
 
 

@@ -13,6 +13,7 @@ from fedmq.common.bus.base import Bus
 from fedmq.common.bus.factory import bus_of_process
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.errors import DecodeError, FedmqError
+from fedmq.common.jobspec import JobSpec
 from fedmq.common.messages import Message, StatusReply, StatusRequest, expect, from_wire, to_wire
 from fedmq.common.settings import Settings
 from fedmq.services.cli.follow import JobFollower
@@ -27,6 +28,10 @@ class SchedulerSilent(FedmqError):
 
 class AggregatorSilent(FedmqError):
     """The broker is up but no aggregator answered a model request."""
+
+
+class UnknownJob(FedmqError):
+    """The scheduler has no job of that id (its words)."""
 
 
 class ModelUnavailable(FedmqError):
@@ -69,6 +74,30 @@ class Remote:
     def send(self, msg: Message) -> None:
         """Publish to the scheduler; returns once the broker confirmed it."""
         self.bus.publish(topology.SCHEDULER, to_wire(msg))
+
+    def submit(self, spec: JobSpec, job_id: str) -> str | None:
+        """`fedmq submit`'s sending of a checked spec: the learners' warning (never a refusal), then
+        JobSubmit, returned once the broker confirmed it."""
+        from fedmq.common.messages import JobSubmit
+        from fedmq.services.cli.preflight import ask_learners
+
+        warning = ask_learners(self, spec)
+        self.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
+        return warning
+
+    def cancel(self, job_id: str, reason: str | None = None) -> str | None:
+        """`fedmq cancel`: JobCancel for a running job; None once sent, else why nothing was (it is no
+        longer running). UnknownJob if the scheduler has no such job (it would drop the cancel)."""
+        from fedmq.common.messages import JobCancel
+
+        reply = self.status("job", job_id)
+        if reply.error or not reply.jobs:
+            raise UnknownJob(reply.error or f"no job {job_id!r}")
+        state = reply.jobs[0]["status"]
+        if state != "running":
+            return f"job {job_id} is no longer running ({state}): nothing to cancel"
+        self.send(JobCancel(job_id=job_id) if reason is None else JobCancel(job_id=job_id, reason=reason))
+        return None
 
     def status(
         self, what: Literal["jobs", "job", "learners"] = "jobs", job_id: str = "",
@@ -135,11 +164,11 @@ def job_row(job: dict[str, Any]) -> list[str]:
     return [
         str(job.get("job_id", "-")), str(job.get("status", "-")),
         f"{job.get('round', '-')}/{job.get('rounds', '-')}",
-        "-" if shown is None else f"{shown[0]} {_number(shown[1])}", (job.get("reason") or "")[:60],
+        "-" if shown is None else f"{shown[0]} {number_cell(shown[1])}", (job.get("reason") or "")[:60],
     ]
 
 
-def _number(value: Any, digits: int = 4) -> str:
+def number_cell(value: Any, digits: int = 4) -> str:
     """A metric or a time as the tables show it; "-" for what is no number (an older scheduler's None)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return "-"
@@ -173,6 +202,6 @@ def round_cells(history: list[dict[str, Any]]) -> tuple[list[str], list[list[str
         metrics = flat(record)
         rows.append([
             str(record["round"]), str(record.get("clients", "-")), str(record.get("failed", "-")),
-            *(_number(metrics.get(n)) for n in names), _number(record.get("seconds", 0.0), 2),
+            *(number_cell(metrics.get(n)) for n in names), number_cell(record.get("seconds", 0.0), 2),
         ])
     return ["round", "clients", "failed", *names, "seconds"], rows

@@ -309,28 +309,21 @@ async def _spec_text(form: Any) -> str | None:
 
 def _send_job(remote: Remote, spec: Any) -> tuple[str, str | None]:
     """What `fedmq submit` sends once the spec is checked: the job id and the learners' warning."""
-    from fedmq.common.messages import JobSubmit
     from fedmq.services.cli.embedded import new_job_id
-    from fedmq.services.cli.preflight import ask_learners
 
     job_id = new_job_id(spec)
-    warning = ask_learners(remote, spec)
-    remote.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
-    return job_id, warning
+    return job_id, remote.submit(spec, job_id)
 
 
 def _cancel_job(remote: Remote, job_id: str) -> str:
-    """`fedmq cancel`: the scheduler drops a cancel of a job it does not know, so ask first."""
-    from fedmq.common.messages import JobCancel
+    """`fedmq cancel`, from the console: what happened, in a line."""
+    from fedmq.services.cli.remote import UnknownJob
 
-    reply = remote.status("job", job_id, timeout=STATUS_TIMEOUT_S)
-    if reply.error or not reply.jobs:
-        return reply.error or f"no job {job_id!r}"
-    state = reply.jobs[0]["status"]
-    if state != "running":
-        return f"job {job_id} is no longer running ({state}): nothing to cancel"
-    remote.send(JobCancel(job_id=job_id, reason="cancelled from the console"))
-    return f"cancel requested for {job_id}"
+    try:
+        not_sent = remote.cancel(job_id, reason="cancelled from the console")
+    except UnknownJob as exc:
+        return str(exc)
+    return not_sent or f"cancel requested for {job_id}"
 
 
 def main(settings: Settings) -> None:

@@ -19,6 +19,7 @@ from fedmq.common.errors import ConfigError
 from fedmq.common.jobspec import JobSpec
 from fedmq.common.settings import Settings
 from fedmq.services.cli.history import JobHistory, Which
+from fedmq.services.cli.remote import number_cell
 
 FAILURES_SHOWN = 50
 PLACED = 200  # a spec's problems placed on their lines; past these, listed above the spec
@@ -115,11 +116,6 @@ def nearest(lines: dict[str, int], dotted: str) -> int | None:
     return None
 
 
-def line_of(text: str, dotted: str) -> int | None:
-    """The 1-based line of the YAML key at `dotted` (a.b.0.c), or of its nearest parent found."""
-    return nearest(key_lines(text), dotted)
-
-
 def listed(found: list[Problem]) -> list[str]:
     """The problems about no line, as the page lists them above the spec: the first LISTED, then a count."""
     loose = [p.message for p in found if p.line is None]
@@ -177,9 +173,6 @@ def file_name(job_id: str, which: Which) -> str:
 
 
 def number(value: Any) -> str:
-    """A metric as the pages show it: 4 decimals, whole numbers as such, "-" for what is no number."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return "-"
-    if float(value).is_integer() and abs(value) >= 1000:
-        return f"{int(value):,}"
-    return f"{value:.4f}"
+    """A metric as the pages show it: as the CLI's tables do, but large whole numbers (bytes) as such."""
+    whole = isinstance(value, int | float) and not isinstance(value, bool) and float(value).is_integer()
+    return f"{int(value):,}" if whole and abs(value) >= 1000 else number_cell(value)

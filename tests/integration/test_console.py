@@ -26,7 +26,7 @@ from fedmq.services.cli.main import app as cli
 from fedmq.services.cli.remote import Remote, SchedulerSilent
 from fedmq.services.console.app import create_app
 from fedmq.services.console.auth import safe_next
-from fedmq.services.console.pages import check_text, line_of, problems
+from fedmq.services.console.pages import check_text, key_lines, nearest, problems
 from tests.conftest import REPO, shard_size, small_job
 from tests.integration import train_plugins
 
@@ -171,8 +171,8 @@ def test_problems_are_placed_on_the_lines_they_are_about(tmp_path: Path) -> None
     spec, found = check_text(broken, settings, REPO)
     assert spec is None and found[0].line is not None and "YAML" in found[0].message
 
-    assert line_of("a:\n  b:\n    - c: 1\n    - d: 2\n", "a.b.1.d") == 4
-    assert line_of("a:\n  b: 1\n", "a.x") == 1  # the nearest parent found
+    assert nearest(key_lines("a:\n  b:\n    - c: 1\n    - d: 2\n"), "a.b.1.d") == 4
+    assert nearest(key_lines("a:\n  b: 1\n"), "a.x") == 1  # the nearest parent found
     assert problems("cannot read job spec the spec: No such file", "")[0].line is None
 
     spec, found = check_text(spec_text(), settings, REPO)
@@ -266,11 +266,11 @@ def test_a_failed_clients_reason_round_and_phase_are_on_its_jobs_page(
     assert "learners: 1 alive" in client.get("/learners").text
 
 
-class Scripted:
+class Scripted(Remote):
     """A Remote whose scheduler answers what the test says (an older one, a silent one): what a page
-    does with such answers, without a cluster."""
+    does with such answers, without a cluster. Its submit and cancel are Remote's own."""
 
-    def __init__(self, jobs: list[dict], learners: list[dict], silent: bool = False) -> None:
+    def __init__(self, jobs: list[dict], learners: list[dict], silent: bool = False) -> None:  # no bus
         self.jobs, self.learners, self.silent = jobs, learners, silent
         self.sent: list[Message] = []
 
@@ -287,7 +287,7 @@ class Scripted:
 
 
 def scripted_client(remote: Scripted, tmp_path: Path) -> TestClient:
-    app = create_app(Settings(state_dir=tmp_path), remote, TOKEN, project=REPO)  # type: ignore[arg-type]
+    app = create_app(Settings(state_dir=tmp_path), remote, TOKEN, project=REPO)
     return TestClient(app, base_url="http://localhost")
 
 
