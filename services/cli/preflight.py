@@ -7,27 +7,9 @@ what will happen to it meanwhile.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fedmq.common.jobspec import JobSpec
-
-if TYPE_CHECKING:
-    from fedmq.services.cli.remote import Remote
-
-PREFLIGHT_TIMEOUT_S = 5.0  # `submit` asks for the learners this long, then publishes anyway
-
-
-def ask_learners(remote: Remote, spec: JobSpec) -> str | None:
-    """What the scheduler's learner registry says of the job's chances (`fedmq submit`'s and the
-    console's warning); never a refusal, and a silent scheduler is a warning too."""
-    from fedmq.services.cli.remote import SchedulerSilent
-
-    try:
-        reply = remote.status("learners", timeout=PREFLIGHT_TIMEOUT_S)
-    except SchedulerSilent:
-        return (f"no scheduler answered within {PREFLIGHT_TIMEOUT_S:g} s: the job waits in the broker's "
-                "queue until `fedmq scheduler` runs against this broker and vhost")
-    return learners_warning(spec, reply.learners)
 
 
 def learners_warning(spec: JobSpec, learners: Iterable[Mapping[str, Any]]) -> str | None:

@@ -20,6 +20,7 @@ from fedmq.services.cli.follow import JobFollower
 from fedmq.services.cli.summary import flat, headline
 
 STATUS_TIMEOUT_S = 10.0
+PREFLIGHT_TIMEOUT_S = 5.0  # `submit` asks for the learners this long, then publishes anyway
 
 
 class SchedulerSilent(FedmqError):
@@ -79,11 +80,22 @@ class Remote:
         """`fedmq submit`'s sending of a checked spec: the learners' warning (never a refusal), then
         JobSubmit, returned once the broker confirmed it."""
         from fedmq.common.messages import JobSubmit
-        from fedmq.services.cli.preflight import ask_learners
 
-        warning = ask_learners(self, spec)
+        warning = self.ask_learners(spec)
         self.send(JobSubmit(job_id=job_id, spec=spec.model_dump(mode="json")))
         return warning
+
+    def ask_learners(self, spec: JobSpec) -> str | None:
+        """What the scheduler's learner registry says of the job's chances; never a refusal, and a
+        silent scheduler is a warning too (the job waits in the broker's queue)."""
+        from fedmq.services.cli.preflight import learners_warning
+
+        try:
+            reply = self.status("learners", timeout=PREFLIGHT_TIMEOUT_S)
+        except SchedulerSilent:
+            return (f"no scheduler answered within {PREFLIGHT_TIMEOUT_S:g} s: the job waits in the broker's "
+                    "queue until `fedmq scheduler` runs against this broker and vhost")
+        return learners_warning(spec, reply.learners)
 
     def cancel(self, job_id: str, reason: str | None = None) -> str | None:
         """`fedmq cancel`: JobCancel for a running job; None once sent, else why nothing was (it is no
