@@ -63,7 +63,7 @@ def _learner(url: str, q: dict[str, str], fetch: bool, prefetch: int) -> None:
                 if got is not None and props.correlation_id == asked:
                     break
             fetched.add(server_round)
-        ch.basic_publish("", q["aggregator"], b"U" + server_round + UPDATE, PERSISTENT)
+        ch.basic_publish("", q["aggregator"], b"U" + server_round + body[8:16] + UPDATE, PERSISTENT)
         ch.basic_ack(method.delivery_tag)
 
     ch.basic_consume(q["tasks"], on_task)
@@ -87,7 +87,7 @@ def _aggregator(url: str, q: dict[str, str], clients: int) -> None:
     def on_message(_ch: Any, method: Any, _props: Any, body: bytes) -> None:
         if body[:1] == b"U":
             server_round = body[1:9]
-            counted[server_round] = counted.get(server_round, 0) + 1
+            counted[server_round] = counted.get(server_round, 0) + int(body[9:17])
             if counted[server_round] == clients:
                 ch.basic_publish("", q["scheduler"], b"C" + server_round, PERSISTENT)
         ch.basic_ack(method.delivery_tag)
@@ -97,7 +97,7 @@ def _aggregator(url: str, q: dict[str, str], clients: int) -> None:
     ch.start_consuming()
 
 
-def _scheduler(url: str, q: dict[str, str], clients: int, rounds: int, out: Any) -> None:
+def _scheduler(url: str, q: dict[str, str], clients: int, rounds: int, out: Any, batch: int) -> None:
     conn = _connect(url)
     ch = conn.channel()
     ch.tx_select()
@@ -107,8 +107,9 @@ def _scheduler(url: str, q: dict[str, str], clients: int, rounds: int, out: Any)
         starts.append(time.perf_counter())
         key = b"%08d" % server_round
         ch.basic_publish("", q["aggregator"], b"O" + key, PERSISTENT)
-        for _ in range(clients):
-            ch.basic_publish("", q["tasks"], key + UPDATE, PERSISTENT)
+        for first in range(0, clients, batch):
+            count = b"%08d" % (min(first + batch, clients) - first)
+            ch.basic_publish("", q["tasks"], key + count + UPDATE, PERSISTENT)
         ch.tx_commit()
 
     def on_closed(_ch: Any, method: Any, _props: Any, _body: bytes) -> None:
@@ -128,7 +129,8 @@ def _scheduler(url: str, q: dict[str, str], clients: int, rounds: int, out: Any)
 
 
 def floor(
-    url: str, clients: int, learners: int, rounds: int, *, fetch: bool = True, prefetch: int = 1
+    url: str, clients: int, learners: int, rounds: int, *, fetch: bool = True, prefetch: int = 1,
+    batch: int = 1,
 ) -> dict[str, float]:
     """The steady round of the pattern on fresh quorum queues, in seconds: median and p90."""
     prefix = f"bench.floor.{uuid.uuid4().hex[:8]}"
@@ -145,7 +147,7 @@ def floor(
         for proc in procs:
             proc.start()
         time.sleep(1.0)  # every consumer in place before the first round
-        scheduler = mp.Process(target=_scheduler, args=(url, q, clients, rounds, out), daemon=True)
+        scheduler = mp.Process(target=_scheduler, args=(url, q, clients, rounds, out, batch), daemon=True)
         scheduler.start()
         rounds_s = sorted(out.get(timeout=300))
         scheduler.join()
@@ -173,6 +175,9 @@ def main() -> None:
         "fedmq_pattern": floor(args.url, args.clients, args.learners, args.rounds),
         "pushed_model_prefetch_2": floor(
             args.url, args.clients, args.learners, args.rounds, fetch=False, prefetch=2
+        ),
+        "batched_per_learner": floor(
+            args.url, args.clients, args.learners, args.rounds, batch=-(-args.clients // args.learners)
         ),
     }
     print(json.dumps(report, indent=2))

@@ -3,6 +3,8 @@
     learner:    ClientUpdate × G ─▶ group_of ─▶ GroupUpdate{members[0..G), weights{name: [G, *shape]}}
     aggregator: GroupUpdate ─▶ members ─▶ ClientUpdate(member i, weights{name: weights[name][i]}) × G
 
+The group's model fetch (its time and bytes) is its first member's: a round counts it once.
+
 Each member's update is then checked and counted as if it had come alone: the same checks, the
 same exactly-once rule (a member already stored, its task trained again after a crash in another
 group, changes nothing). The group saves the per-message costs: encoding, the broker, decoding,
@@ -31,8 +33,8 @@ def members(group: GroupUpdate) -> list[ClientUpdate]:
         ClientUpdate(
             job_id=group.job_id, task_id=member.task_id, round=group.round, client=member.client,
             base_digest=group.base_digest, num_examples=member.num_examples, metrics=member.metrics,
-            train_seconds=member.train_seconds, fetch_seconds=group.fetch_seconds,
-            fetch_bytes=group.fetch_bytes, learner=group.learner,
+            train_seconds=member.train_seconds, fetch_seconds=group.fetch_seconds if i == 0 else 0.0,
+            fetch_bytes=group.fetch_bytes if i == 0 else 0, learner=group.learner,
             weights={name: stacked[i] for name, stacked in group.weights.items()},
         )
         for i, member in enumerate(group.members)
@@ -57,7 +59,8 @@ def group_of(updates: list[ClientUpdate]) -> GroupUpdate:
     first = updates[0]
     return GroupUpdate(
         job_id=first.job_id, round=first.round, base_digest=first.base_digest,
-        fetch_seconds=first.fetch_seconds, fetch_bytes=first.fetch_bytes, learner=first.learner,
+        fetch_seconds=sum(u.fetch_seconds for u in updates), fetch_bytes=sum(u.fetch_bytes for u in updates),
+        learner=first.learner,
         members=[GroupMember(task_id=u.task_id, client=u.client, num_examples=u.num_examples,
                              metrics=u.metrics, train_seconds=u.train_seconds) for u in updates],
         weights={name: torch.stack([u.weights[name] for u in updates]) for name in first.weights},

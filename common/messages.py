@@ -102,6 +102,60 @@ class TrainTask(Message):
     state_tag: str = Field("", max_length=64)  # ... and that update's ClientUpdate.state_tag
 
 
+TASK_BATCH_MAX = 10_000  # the most tasks one TrainTasks may carry (FEDMQ_TASK_BATCH is at most this)
+
+
+class BatchMember(BaseModel):
+    """One client's part of a TrainTasks: what differs between a round's training tasks."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task_id: str = Field(max_length=64)
+    client: NonNegativeInt
+    state_from: NonNegativeInt | None = None
+    state_holder: str = Field("", max_length=256)
+    state_tag: str = Field("", max_length=64)
+
+
+class TrainTasks(Message):
+    """Scheduler → learners: several clients' training tasks of one round, for one learner to take
+    in one delivery. It is acked once every task's reply is published, and goes back to the queue
+    whole if any is not (the replies already sent come again as duplicates, which are dropped).
+    What the tasks share travels once: the job's spec, the model, the strategy's config."""
+
+    type: Literal["train_tasks"] = "train_tasks"
+    round: NonNegativeInt
+    model_digest: str = Field(max_length=128)
+    spec: dict[str, Any]
+    config: dict[str, Any] = {}
+    members: list[BatchMember] = Field(min_length=1, max_length=TASK_BATCH_MAX)
+
+    def tasks(self) -> list[TrainTask]:
+        """Its members as the TrainTasks they stand for (built from fields already checked)."""
+        return [
+            TrainTask.model_construct(
+                msg_id=f"{self.msg_id[:48]}:{i}", job_id=self.job_id, sent_at=self.sent_at,
+                task_id=m.task_id, round=self.round, client=m.client, model_digest=self.model_digest,
+                spec=self.spec, config=self.config, state_from=m.state_from, state_holder=m.state_holder,
+                state_tag=m.state_tag,
+            )
+            for i, m in enumerate(self.members)
+        ]
+
+
+def batch_of(tasks: list[TrainTask]) -> TrainTask | TrainTasks:
+    """The one message for `tasks` (of one job, round, model, spec and config): a lone task as itself."""
+    first = tasks[0]
+    if len(tasks) == 1:
+        return first
+    return TrainTasks(
+        job_id=first.job_id, round=first.round, model_digest=first.model_digest, spec=first.spec,
+        config=first.config,
+        members=[BatchMember(task_id=t.task_id, client=t.client, state_from=t.state_from,
+                             state_holder=t.state_holder, state_tag=t.state_tag) for t in tasks],
+    )
+
+
 class EvalTask(Message):
     """Scheduler → learners: evaluate the round's global model on one client's validation data."""
 
@@ -458,6 +512,7 @@ AnyMessage = Annotated[
     | RoundOpen
     | RoundClose
     | TrainTask
+    | TrainTasks
     | EvalTask
     | ClientUpdate
     | EvalReport

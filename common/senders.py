@@ -9,7 +9,8 @@ own messages there:
 
     role        sends                                      users (settings)
     scheduler   job_create round_open round_close          FEDMQ_SCHEDULER_USERS
-                train_task eval_task ddp_launch ddp_stop
+                train_task train_tasks eval_task
+                ddp_launch ddp_stop
     aggregator  update_accepted updates_accepted           FEDMQ_AGGREGATOR_USERS
                 round_closed job_failed ddp_stored
     learner     client_update group_update eval_report     FEDMQ_LEARNER_USERS
@@ -32,8 +33,8 @@ from collections.abc import Mapping
 from fedmq.common.errors import ValidationError
 
 SENDERS: dict[str, frozenset[str]] = {
-    **dict.fromkeys(("job_create", "round_open", "round_close", "train_task", "eval_task", "ddp_launch",
-                     "ddp_stop"), frozenset({"scheduler"})),
+    **dict.fromkeys(("job_create", "round_open", "round_close", "train_task", "train_tasks", "eval_task",
+                     "ddp_launch", "ddp_stop"), frozenset({"scheduler"})),
     **dict.fromkeys(("update_accepted", "updates_accepted", "round_closed", "job_failed", "ddp_stored"),
                     frozenset({"aggregator"})),
     **dict.fromkeys(("client_update", "group_update", "eval_report", "client_failure", "heartbeat",

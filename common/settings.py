@@ -138,9 +138,16 @@ class Settings(BaseSettings):
         "against its digest, instead of fetching it again over the broker. Writable by those learners only, "
         "as their state_dir is; unset: each learner fetches its own",
     )
+    task_batch: int = Field(
+        64, ge=1, le=10_000, description="scheduler: the most training tasks of a round it sends in one "
+        "message. A round's tasks for a queue go as one message per learner serving it (its share, up to "
+        "this), so a learner takes its share at once and its updates go back together; 1: one message a "
+        "task, which learners older than the batched tasks need",
+    )
     fuse_clients: int = Field(
-        1, ge=1, description="tasks a learner takes at once (its prefetch) to train together, for jobs with "
-        "train.fuse; 1: one at a time. `fedmq run` of a fused job: its share of a round's clients",
+        1, ge=1, description="the most clients a learner trains together in one fused group, for jobs with "
+        "train.fuse (of the share of a round the scheduler sends it in one message); 1: one at a time. "
+        "`fedmq run` of a fused job: its share of a round's clients",
     )
     dp_key: SecretStr | None = Field(
         None, description="learners: the secret that seeds train.dp_sgd's noise and batch order; give every "

@@ -9,6 +9,7 @@ may be called from any thread.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -52,6 +53,47 @@ class Delivery(ABC):
         """Not settled, and still this consumer's: False once its connection is gone (the broker
         gives it again, to whoever consumes next), so work kept for it later may be dropped."""
         return True
+
+
+class SharedDelivery(Delivery):
+    """One delivery that several pieces of work came in (a TrainTasks' tasks), settled once each
+    piece is: acked if every one was, dead-lettered if one was rejected, else given back whole."""
+
+    def __init__(self, delivery: Delivery, pieces: int) -> None:
+        super().__init__(b"", delivery.queue, delivery.redelivered, user_id=delivery.user_id)
+        self._of = delivery
+        self._left = pieces
+        self._requeue = False
+        self._rejected: str | None = None
+        self._lock = threading.Lock()
+
+    def ack(self) -> None:
+        self._settle()
+
+    def requeue(self) -> None:
+        with self._lock:
+            self._requeue = True
+        self._settle()
+
+    def reject(self, reason: str) -> None:
+        with self._lock:
+            self._rejected = self._rejected or reason
+        self._settle()
+
+    def live(self) -> bool:
+        return self._of.live()
+
+    def _settle(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left != 0:
+                return
+        if self._rejected is not None:
+            self._of.reject(self._rejected)
+        elif self._requeue:
+            self._of.requeue()
+        else:
+            self._of.ack()
 
 
 def spool_file(spool: Path, fill: Callable[[BinaryIO], object], sync: bool) -> Path:

@@ -60,6 +60,11 @@ def folder_bytes(root: Path) -> int:
     return total
 
 
+# The job's own small files (its open and closed rounds, its rounds' list) are rewritten, not
+# counted as they grow: a quota keeps this much room for them between measures of the folder.
+BOOKKEEPING_BYTES = 4096
+
+
 class DiskQuota:
     """One job's disk in use against its quota: measured once, counted up as files come."""
 
@@ -74,10 +79,11 @@ class DiskQuota:
         return self._used
 
     def need(self, size: int, what: str) -> None:
-        """Raise OverLimit unless `size` more bytes fit; then count them as used."""
-        if self.used + size > self.quota:
+        """Raise OverLimit unless `size` more bytes fit, with room for the job's small files that grow
+        uncounted between measures (BOOKKEEPING_BYTES); then count them as used."""
+        if self.used + size + BOOKKEEPING_BYTES > self.quota:
             self.measure()  # the count may hold files deleted since: look before refusing
-        if self.used + size > self.quota:
+        if self.used + size + BOOKKEEPING_BYTES > self.quota:
             raise OverLimit("disk_quota", f"{what} ({size} bytes) would take the job's aggregator state to "
                             f"{self.used + size} bytes, over its quota ({self.quota}, FEDMQ_JOB_DISK_BYTES)")
         self._used = self.used + size

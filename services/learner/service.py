@@ -1,15 +1,17 @@
-"""Learner: take a task, train off the bus thread, publish the update, then ack.
+"""Learner: take a message of tasks, train off the bus thread, publish the updates, then ack.
 
-With FEDMQ_FUSE_CLIENTS=G > 1 it takes up to G tasks at once (its prefetch), and trains those
-of one job with `train.fuse`, one round and one global model together (work.train_group). Their
-updates travel as one GroupUpdate (common/groups.py), published before any of the tasks is acked;
+The scheduler sends each learner its share of a round's tasks in one message (a TrainTasks; a
+lone task as a TrainTask), taken one at a time (prefetch 1). The tasks of a job that fuses
+(`train.fuse`) train together, in groups of at most FEDMQ_FUSE_CLIENTS (work.train_group), and
+their updates travel as one GroupUpdate (common/groups.py), published before the message is acked;
 the aggregator keeps each member's update as if it had come alone.
 
 A learner with FEDMQ_SITES takes tasks from those sites' queues only (the scheduler routes a
 site's tasks there); otherwise it takes logical clients' tasks from the shared queue.
 
-Ack policy: a task is acked only after its ClientUpdate (or ClientFailure) is
-published, so a learner that dies mid-task leaves the task to be redelivered.
+Ack policy: a message is acked only after each of its tasks' ClientUpdate (or ClientFailure) is
+published, so a learner that dies mid-task leaves the message to be redelivered (the replies
+already published come again as duplicates, which the aggregator and scheduler drop).
 An undecodable task is dead-lettered. On shutdown an unfinished task is
 returned to the queue, and so is a task whose model fetch the broker lost
 FETCH_ATTEMPTS times (never a client's failure). User code that raises (loading data, building the model,
@@ -33,7 +35,7 @@ import torch
 
 from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
-from fedmq.common.bus.base import Body, Bus, Delivery
+from fedmq.common.bus.base import Body, Bus, Delivery, SharedDelivery
 from fedmq.common.codec import TensorFile, state_digest
 from fedmq.common.codec.compress import Downlink
 from fedmq.common.errors import BrokerUnavailable, FedmqError
@@ -52,6 +54,7 @@ from fedmq.common.messages import (
     ModelGet,
     ModelReply,
     TrainTask,
+    TrainTasks,
     expect,
     from_wire,
     from_wire_file,
@@ -72,7 +75,6 @@ CONTROL_PREFETCH = 64  # a learner's own queue: control messages and the tasks s
 Task = TrainTask | EvalTask
 R = TypeVar("R")
 
-GATHER_S = 0.02  # how long a fused group waits for another task of a round's burst to arrive
 FETCH_ATTEMPTS = 5  # model fetches lost to the broker before the task goes back to the queue
 # A fused group's updates travel as one message up to this many bytes of weights (else one by one).
 GROUP_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -106,7 +108,8 @@ class LearnerService:
         # Picked and checked here, before the process connects anywhere: a bad FEDMQ_DEVICE is a
         # start-up error, not a learner that joins the fleet and then cannot train.
         self.work.device = resolve_device(settings.device, self.replica)
-        self._tasks: queue.SimpleQueue[tuple[Task, Delivery] | None] = queue.SimpleQueue()
+        # What the bus thread took, for the training thread: a message's tasks (a TrainTasks' several).
+        self._tasks: queue.SimpleQueue[list[tuple[Task, Delivery]] | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._stopping = False
         self._held = 0  # tasks taken from the broker and not yet settled (acked or returned)
@@ -114,10 +117,10 @@ class LearnerService:
         self.redelivered = 0  # tasks that reached this learner marked as redelivered
         self.ddp = DdpRunner(bus, self.name, self.node, Path(settings.state_dir) / "learner", self._fetch)
         # The shared (or a site's) task queue, and its own: control messages, tasks sent back to it.
-        self.tasks_inbox = Inbox(settings.role_users, settings.frame_bytes, takes=(TrainTask, EvalTask),
-                                 service="learner")
+        self.tasks_inbox = Inbox(settings.role_users, settings.frame_bytes,
+                                 takes=(TrainTask, TrainTasks, EvalTask), service="learner")
         self.control_inbox = Inbox(settings.role_users, settings.frame_bytes,
-                                   takes=(TrainTask, DdpLaunch, DdpStop), service="learner")
+                                   takes=(TrainTask, TrainTasks, DdpLaunch, DdpStop), service="learner")
 
     @property
     def device(self) -> torch.device:
@@ -136,8 +139,10 @@ class LearnerService:
         self._worker.start()
         # A learner hosting sites takes their tasks only (its data is theirs); else any logical client's.
         sites = self.settings.site_names
+        # One message at a time: the scheduler sends each learner its share of a round in one (a
+        # TrainTasks), and a learner stuck in training holds no other learner's share meanwhile.
         for name in [topology.site_queue(site) for site in sites] or [topology.TASKS]:
-            self.bus.consume(name, self.on_task, prefetch=self.settings.fuse_clients)
+            self.bus.consume(name, self.on_task, prefetch=1)
         # Its own queue: the scheduler's launch and stop of a DDP group's rank on this learner, and the
         # tasks of clients whose state it keeps. Those wait unacked while a rank runs: a window wide
         # enough that a DdpStop never queues behind them.
@@ -191,15 +196,19 @@ class LearnerService:
     def on_task(self, delivery: Delivery) -> None:
         self.tasks_inbox.handle(delivery, self._take)
 
-    def _take(self, task: Message, delivery: Delivery) -> Handled:
-        """A checked task, to the training thread (which acks it once its reply is confirmed)."""
-        assert isinstance(task, TrainTask | EvalTask), "the tasks' inboxes take tasks only"
+    def _take(self, msg: Message, delivery: Delivery) -> Handled:
+        """A checked task, or a TrainTasks' tasks, to the training thread (which acks the delivery
+        once every task's reply is confirmed)."""
+        assert isinstance(msg, TrainTask | TrainTasks | EvalTask), "the tasks' inboxes take tasks only"
+        tasks: list[Task] = list(msg.tasks()) if isinstance(msg, TrainTasks) else [msg]
         if delivery.redelivered:
             self.redelivered += 1
-            log.info("task_redelivered", job=task.job_id, round=task.round, client=task.client)
+            log.info("task_redelivered", job=msg.job_id, round=msg.round, clients=[t.client for t in tasks])
+        if len(tasks) > 1:
+            delivery = SharedDelivery(delivery, len(tasks))
         with self._held_lock:
-            self._held += 1
-        self._tasks.put((task, delivery))
+            self._held += len(tasks)
+        self._tasks.put([(task, delivery) for task in tasks])
         return KEPT
 
     def on_control(self, delivery: Delivery) -> None:
@@ -208,7 +217,7 @@ class LearnerService:
         self.control_inbox.handle(delivery, self._control)
 
     def _control(self, msg: Message, delivery: Delivery) -> Handled:
-        if isinstance(msg, TrainTask):
+        if isinstance(msg, TrainTask | TrainTasks):
             return self._take(msg, delivery)
         if isinstance(msg, DdpLaunch):
             self.ddp.launch(msg, self._check_entry)
@@ -221,8 +230,16 @@ class LearnerService:
         self.work.allowed.check(entry.partition(":")[0], "entry", entry)
 
     def _work(self) -> None:
-        waiting: list[tuple[Task, Delivery]] = []  # taken while gathering a group, not of it
-        while (item := waiting.pop(0) if waiting else self._tasks.get()) is not None and not self._stopping:
+        waiting: list[tuple[Task, Delivery]] = []  # taken and not trained yet, in order
+        while True:
+            if not waiting:
+                taken = self._tasks.get()
+                if taken is None:
+                    return
+                waiting.extend(taken)
+            if self._stopping:
+                return
+            item = waiting.pop(0)
             # In a DDP group: the task waits, unacked (prefetch: no other comes meanwhile); the
             # round's nudge sends it to another learner if the group outlasts the round.
             while self.ddp.active and not self._stopping:
@@ -236,8 +253,9 @@ class LearnerService:
     def _gather(
         self, first: tuple[Task, Delivery], waiting: list[tuple[Task, Delivery]]
     ) -> list[tuple[TrainTask, Delivery]] | None:
-        """`first` and the tasks taken with it that train with it (one fused job, round and model);
-        None: `first` trains alone, as any task does. Others go to `waiting`, in order."""
+        """`first` and the tasks taken already that train with it (one fused job, round and model:
+        the rest of its TrainTasks, and any of that round sent to this learner's own queue); None:
+        `first` trains alone, as any task does. Others stay in `waiting`, in order."""
         task = first[0]
         try:
             if not isinstance(task, TrainTask) or not self.work.fusable(task):
@@ -247,30 +265,13 @@ class LearnerService:
         key = (task.job_id, task.round, task.model_digest)
         group: list[tuple[TrainTask, Delivery]] = [(task, first[1])]
         rest, waiting[:] = list(waiting), []
-        deadline = time.monotonic() + GATHER_S
-        # A round sends `sampled` tasks: once this learner holds them all, none is left to wait for.
-        whole_round = self.work.job_spec(task).clients.sampled
-        while len(group) < self.settings.fuse_clients:
-            if rest:
-                item: tuple[Task, Delivery] | None = rest.pop(0)
-            elif len(group) >= whole_round:
-                break
-            else:
-                try:  # the broker sends a round's tasks in a burst: wait a moment for the rest
-                    item = self._tasks.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-            if item is None:
-                self._tasks.put(None)  # stopping: after this group
-                break
-            deadline = time.monotonic() + GATHER_S  # the burst goes on: wait for its next task
-            other = item[0]
+        for item in rest:
+            other = item[0]  # not another job's, round's, or a second copy of a client's (a nudge)
             if (isinstance(other, TrainTask) and (other.job_id, other.round, other.model_digest) == key
                     and all(other.client != mine.client for mine, _ in group)):
                 group.append((other, item[1]))
-            else:  # another job's, round's, or a second copy of a client's (a nudge): not this group's
+            else:
                 waiting.append(item)
-        waiting.extend(rest)
         return group
 
     def _run(self, task: Task, delivery: Delivery) -> None:

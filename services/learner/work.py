@@ -488,6 +488,9 @@ class Work:
                 continue
             ready.append((i, data, self._context(job, task, weights, {})))
         limit = self.group_limit(job)
+        # The model's fetch is the first update's (its time and bytes), as one at a time the rest
+        # would find it cached: a round's figures count each fetch once.
+        fetch = [(fetched - started, fetch_bytes)] + [(0.0, 0)] * len(tasks)
         trained_alone = False  # the model then holds the last client's weights, not the global model
         for at in range(0, len(ready), limit):
             chunk = ready[at:at + limit]
@@ -505,7 +508,7 @@ class Work:
                         job.load(weights, tasks[i].round, tasks[i].client, first.model_digest)
                         state, result = job.runtime.trained(job.model, data, ctx)
                         out[i] = self._update(job, tasks[i], weights, job.trained_state(state), result,
-                                              time.perf_counter() - began, fetched - started, fetch_bytes)
+                                              time.perf_counter() - began, *fetch.pop(0))
                     except Exception as exc:
                         out[i] = exc
                 continue
@@ -518,8 +521,7 @@ class Work:
                     continue
                 self.metrics.train_seconds.observe(seconds)
                 try:
-                    out[i] = self._update(job, tasks[i], weights, one[0], one[1], seconds, fetched - started,
-                                          fetch_bytes)
+                    out[i] = self._update(job, tasks[i], weights, one[0], one[1], seconds, *fetch.pop(0))
                 except Exception as exc:
                     out[i] = exc
         return [o if o is not None else FedmqError("not trained") for o in out]

@@ -1,6 +1,6 @@
 """Each job's round loop: open a round, dispatch its tasks, watch its deadlines, close, retry or fail.
 
-    RoundClosed(r-1) ─▶ start_round(r): RoundOpen ─▶ aggregator, TrainTask × k ─▶ learners
+    RoundClosed(r-1) ─▶ start_round(r): RoundOpen ─▶ aggregator, TrainTasks × learners ─▶ learners
     UpdateAccepted / ClientFailure / a deadline ─▶ advance: CLOSE (RoundClose) | RETRY | FAIL
     near a round's deadline: tasks still missing go out again (nudge)
     no round 1 by FEDMQ_JOB_START_TIMEOUT_S after acceptance: the job fails
@@ -26,6 +26,7 @@ from fedmq.common.messages import (
     RoundClose,
     RoundOpen,
     TrainTask,
+    batch_of,
     to_wire,
 )
 from fedmq.services.scheduler.context import SchedContext, cancel_timers
@@ -143,6 +144,8 @@ class RoundLoop:
         # the shared queue (their state fetched), so a round is not held by the busiest learner.
         share = min(HOLDER_SHARE_MAX, -(-len(clients) // max(1, self.ctx.registry.alive_count)))
         taken: dict[str, int] = {}
+        queued: dict[str, list[TrainTask]] = {}  # each queue's tasks, in the clients' order
+        serving: dict[str, int] = {}  # how many learners take from that queue
         for client in clients:
             if client in unserved:
                 continue
@@ -161,9 +164,28 @@ class RoundLoop:
                 state_holder=holder,
                 state_tag=tag,
             )
-            messages.append((self.task_queue(job, client, prefer), to_wire(task)))
+            queue = self.task_queue(job, client, prefer)
+            queued.setdefault(queue, []).append(task)
+            if queue not in serving:
+                serving[queue] = self._serving(job, client, queue)
+        # One message per learner serving a queue (FEDMQ_TASK_BATCH the most in one): a learner takes
+        # its share at once. Unknown learners (a scheduler just started): one a task, for any to take.
+        for queue, tasks in queued.items():
+            learners = serving[queue]
+            size = min(self.ctx.settings.task_batch, -(-len(tasks) // learners)) if learners else 1
+            messages.extend((queue, to_wire(batch_of(tasks[at:at + size])))
+                            for at in range(0, len(tasks), size))
         self.ctx.bus.publish_all(messages)
         return unserved
+
+    def _serving(self, job: SchedJob, client: int, queue: str) -> int:
+        """How many learners take the tasks sent to `queue` (the client's): one for a learner's own."""
+        site = job.spec.clients.site(client)
+        if queue == topology.TASKS:
+            return self.ctx.registry.serving(None)
+        if site is not None and queue == topology.site_queue(site):
+            return self.ctx.registry.serving(site)
+        return 1
 
     def arm_deadline(self, job: SchedJob) -> None:
         """Timers for what runs now: the training round, or the evaluation of the round just closed."""

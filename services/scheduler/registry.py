@@ -191,6 +191,13 @@ class Registry:
         entry = self._entries.get(learner)
         return entry is not None and entry.alive and not entry.hb.group
 
+    def serving(self, site: str | None) -> int:
+        """How many alive learners take tasks from `site`'s queue (None: the shared queue, which
+        learners hosting no site take from), DDP ranks left out (as of the last sweep)."""
+        return sum(entry.alive and not entry.hb.group
+                   and (site in entry.hb.sites if site is not None else not entry.hb.sites)
+                   for entry in self._entries.values())
+
     def hosted_sites(self) -> set[str]:
         """The sites some alive learner hosts (as of the last sweep)."""
         return {site for entry in self._entries.values() if entry.alive for site in entry.hb.sites}

@@ -21,7 +21,6 @@ from fedmq.common.groups import group_of, members
 from fedmq.common.messages import ClientUpdate, GroupUpdate, TrainTask, from_wire, to_wire
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
-from fedmq.services.learner import service as learner_service
 from tests.conftest import assert_bit_identical, assert_matches_reference, small_job
 from tests.integration.conftest import Transport
 from tests.reference import reference_fedavg
@@ -30,12 +29,8 @@ FUSED = small_job(clients__total=9, clients__per_round=6, rounds=3, train__fuse=
 
 
 def test_a_fused_job_gives_the_same_bits_however_its_clients_are_grouped(
-    transport: Transport, monkeypatch: pytest.MonkeyPatch
+    transport: Transport,
 ) -> None:
-    # A round's 6 tasks make one group when none comes more than GATHER_S after the one before: on a
-    # loaded machine a thread can wait longer than the 20 ms default (CI saw groups of 5 and 1). Once
-    # the learner holds all 6 it trains at once, so a longer wait costs this test nothing.
-    monkeypatch.setattr(learner_service, "GATHER_S", 1.0)
     together = run_job(FUSED, Settings(state_dir=transport.settings.state_dir / "one"), idle_timeout=60)
     assert together["status"] == "completed", together.get("reason")
     assert together["fused_groups"] == [6, 6, 6], "one learner takes a round's 6 tasks at once"
@@ -109,12 +104,8 @@ def test_each_member_of_a_group_is_checked_as_if_alone_and_a_kept_member_changes
         "each member of a refused copy counted, and each group's one NaN member")
 
 
-def test_a_learner_holding_every_task_of_a_round_trains_them_without_waiting_for_more(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A group room for 64 tasks, a round of 6: once the learner holds the round's 6, no seventh
-    can come, so it trains at once (with an hour's wait for more, the job would never end)."""
-    monkeypatch.setattr(learner_service, "GATHER_S", 3600.0)
+def test_a_learner_trains_the_share_it_was_sent_as_one_group_however_large_its_room(tmp_path: Path) -> None:
+    """A group room for 64 clients, a round of 6: the learner's one message holds the round's 6."""
     result = run_job(FUSED, Settings(state_dir=tmp_path, fuse_clients=64), idle_timeout=60)
     assert result["status"] == "completed", result.get("reason")
     assert result["fused_groups"] == [6, 6, 6]

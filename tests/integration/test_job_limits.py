@@ -36,7 +36,7 @@ def test_a_model_over_the_deployment_limit_fails_the_job_naming_the_setting(tran
 
 
 def test_a_job_whose_state_outgrows_its_disk_quota_fails_before_writing_past_it(transport: Transport) -> None:
-    quota = 60_000  # the initial checkpoint and a round's 5 updates fit; round 2's do not all
+    quota = 80_000  # the initial checkpoint, round 1's 5 updates and its checkpoint fit; round 2's do not
     settings = with_settings(transport, job_disk_bytes=quota)
     result = run_job(small_job(rounds=5), settings, connect=transport.connect, idle_timeout=60)
     assert result["status"] == "failed"

@@ -20,6 +20,7 @@ from fedmq.common.messages import (
     SCHEMA_VERSION,
     TENSOR_FIELDS,
     AnyMessage,
+    BatchMember,
     ClientFailure,
     ClientStateGet,
     ClientStateReply,
@@ -51,6 +52,7 @@ from fedmq.common.messages import (
     StatusReply,
     StatusRequest,
     TrainTask,
+    TrainTasks,
     UpdateAccepted,
     UpdatesAccepted,
     UserError,
@@ -86,6 +88,11 @@ SAMPLES: dict[str, Message] = {
     "train_task": TrainTask(
         job_id="j1", task_id="j1:3:4", round=3, client=4, model_digest="ab" * 32, spec=SPEC,
         config={"proximal_mu": 0.01, "client_state": True, "note": "x", "k": 3},
+    ),
+    "train_tasks": TrainTasks(
+        job_id="j1", round=3, model_digest="ab" * 32, spec=SPEC, config={"proximal_mu": 0.01},
+        members=[BatchMember(task_id="j1:3:4", client=4),
+                 BatchMember(task_id="j1:3:7", client=7, state_from=2, state_holder="n/1", state_tag="t")],
     ),
     "eval_task": EvalTask(
         job_id="j1", task_id="j1:e3:4", round=3, client=4, model_digest="ab" * 32, spec=SPEC

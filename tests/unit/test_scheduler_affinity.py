@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.memory import MemoryBroker
-from fedmq.common.messages import Heartbeat, TrainTask, from_wire
+from fedmq.common.messages import Heartbeat, TrainTask, TrainTasks, from_wire
 from fedmq.common.settings import Settings
 from fedmq.common.strategy.contract import CLIENT_STATE, LEARNER_STATE
 from fedmq.services.scheduler.jobs import SchedJob, note_holders
@@ -26,9 +26,9 @@ def service_with(tmp_path: Path, learners: list[str]) -> tuple[SchedulerService,
 
     def publish_all(messages: Sequence[tuple[str, bytes]]) -> None:
         for queue, body in messages:
-            task = from_wire(body)
-            assert isinstance(task, TrainTask)
-            sent.append((queue, task))
+            msg = from_wire(body)
+            assert isinstance(msg, TrainTask | TrainTasks)
+            sent.extend((queue, task) for task in (msg.tasks() if isinstance(msg, TrainTasks) else [msg]))
 
     service.bus.publish_all = publish_all  # type: ignore[method-assign]
     for i, name in enumerate(learners):

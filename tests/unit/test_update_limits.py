@@ -13,6 +13,7 @@ import torch
 from fedmq.common.codec.compress import CompressionSpec
 from fedmq.common.errors import ValidationError
 from fedmq.common.messages import ClientUpdate
+from fedmq.services.aggregator import limits
 from fedmq.services.aggregator.limits import DiskQuota, OverLimit, check_model, folder_bytes, retained
 from fedmq.services.aggregator.validation import check_update
 from fedmq.services.learner.work import compressed
@@ -86,7 +87,13 @@ def test_a_model_over_the_deployment_limit_is_refused_naming_the_setting() -> No
     assert info.value.limit == "model_bytes"
 
 
-def test_the_disk_quota_counts_what_is_there_and_what_comes(tmp_path: Path) -> None:
+def test_the_disk_quota_counts_what_is_there_and_what_comes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    DiskQuota(tmp_path, 1000 + limits.BOOKKEEPING_BYTES).need(1000, "an update")  # fits
+    with pytest.raises(OverLimit):  # the room kept for the job's small files is not given away
+        DiskQuota(tmp_path, 1000 + limits.BOOKKEEPING_BYTES).need(1001, "an update")
+    monkeypatch.setattr(limits, "BOOKKEEPING_BYTES", 0)  # the count itself, below
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x").write_bytes(b"x" * 300)
     (tmp_path / "y").write_bytes(b"y" * 200)
