@@ -17,6 +17,7 @@ from pydantic import ValidationError as PydanticValidationError
 from fedmq.common import codec
 from fedmq.common.errors import DecodeError
 
+PUSHED_MODEL_MAX = 64 * 1024**2  # the most bytes of a model sent with tasks (FEDMQ_PUSH_MODEL_BYTES' cap)
 SCHEMA_VERSION = 2  # 2: metrics of any name (RoundClosed.metrics), federated evaluation
 M = TypeVar("M", bound="Message")
 
@@ -100,6 +101,10 @@ class TrainTask(Message):
     state_from: NonNegativeInt | None = None
     state_holder: str = Field("", max_length=256)
     state_tag: str = Field("", max_length=64)  # ... and that update's ClientUpdate.state_tag
+    # The global model itself, when it is small (FEDMQ_PUSH_MODEL_BYTES): its tensors packed as the
+    # codec packs a map of them (relayed as bytes: the scheduler never decodes a tensor). The learner
+    # uses it if it hashes to model_digest. b"": fetch it from the aggregator.
+    model: bytes = Field(b"", max_length=PUSHED_MODEL_MAX)
 
 
 TASK_BATCH_MAX = 10_000  # the most tasks one TrainTasks may carry (FEDMQ_TASK_BATCH is at most this)
@@ -129,6 +134,7 @@ class TrainTasks(Message):
     spec: dict[str, Any]
     config: dict[str, Any] = {}
     members: list[BatchMember] = Field(min_length=1, max_length=TASK_BATCH_MAX)
+    model: bytes = Field(b"", max_length=PUSHED_MODEL_MAX)  # as TrainTask.model
 
     def tasks(self) -> list[TrainTask]:
         """Its members as the TrainTasks they stand for (built from fields already checked)."""
@@ -137,20 +143,21 @@ class TrainTasks(Message):
                 msg_id=f"{self.msg_id[:48]}:{i}", job_id=self.job_id, sent_at=self.sent_at,
                 task_id=m.task_id, round=self.round, client=m.client, model_digest=self.model_digest,
                 spec=self.spec, config=self.config, state_from=m.state_from, state_holder=m.state_holder,
-                state_tag=m.state_tag,
+                state_tag=m.state_tag, model=self.model,
             )
             for i, m in enumerate(self.members)
         ]
 
 
 def batch_of(tasks: list[TrainTask]) -> TrainTask | TrainTasks:
-    """The one message for `tasks` (of one job, round, model, spec and config): a lone task as itself."""
+    """The one message for `tasks` (of one job, round, model, spec, config and pushed weights): a lone
+    task as itself."""
     first = tasks[0]
     if len(tasks) == 1:
         return first
     return TrainTasks(
         job_id=first.job_id, round=first.round, model_digest=first.model_digest, spec=first.spec,
-        config=first.config,
+        config=first.config, model=first.model,
         members=[BatchMember(task_id=t.task_id, client=t.client, state_from=t.state_from,
                              state_holder=t.state_holder, state_tag=t.state_tag) for t in tasks],
     )
@@ -165,6 +172,7 @@ class EvalTask(Message):
     client: NonNegativeInt
     model_digest: str = Field(max_length=128)
     spec: dict[str, Any]
+    model: bytes = Field(b"", max_length=PUSHED_MODEL_MAX)  # as TrainTask.model
 
 
 class ClientUpdate(Message):
@@ -322,6 +330,9 @@ class RoundClosed(Message):
     aggregate_seconds: float = 0.0
     model_path: str | None = None
     config: dict[str, bool | int | float | str] = {}  # the next round's (Strategy.configure), for its tasks
+    # The new global model, packed, when small enough to go to the learners with the next round's
+    # tasks (FEDMQ_PUSH_MODEL_BYTES, no compression.downlink); b"": they fetch it by model_digest.
+    model: bytes = Field(b"", max_length=PUSHED_MODEL_MAX)
     # Each client's own training metrics, for rounds of at most CLIENT_METRICS_MAX clients (seed 002's
     # worker_results); {} for larger rounds, whose history would grow by a row of metrics a client.
     client_metrics: Annotated[

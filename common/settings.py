@@ -138,6 +138,12 @@ class Settings(BaseSettings):
         "against its digest, instead of fetching it again over the broker. Writable by those learners only, "
         "as their state_dir is; unset: each learner fetches its own",
     )
+    push_model_bytes: int = Field(
+        1024**2, ge=0, le=64 * 1024**2, description="aggregator: a global model of at most this many "
+        "bytes goes to the learners with the round's tasks (through the scheduler), checked against its "
+        "digest there, instead of each learner fetching it; larger models, and those a job sends "
+        "rounded (compression.downlink), are fetched. 0: always fetched",
+    )
     task_batch: int = Field(
         64, ge=1, le=10_000, description="scheduler: the most training tasks of a round it sends in one "
         "message. A round's tasks for a queue go as one message per learner serving it (its share, up to "

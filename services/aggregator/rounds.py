@@ -352,7 +352,8 @@ def commit(job: AggJob, closed: RoundClosed, data_dir: Path | None) -> RoundClos
         update["model_path"] = str(save_final(job, closed.round, metrics))
     update["config"] = next_config(job, closed.round)
     closed = closed.model_copy(update=update)
-    job.store.save_json("closed", closed.model_dump())  # before the commit: a restart re-sends it
+    # Before the commit: a restart re-sends it (with the model, when pushed, as the service adds it).
+    job.store.save_json("closed", closed.model_dump(exclude={"model"}))
     job.store.commit_round(closed.round, key)
     job.digest, job.checkpoint, job.round, job.last_closed = digest, key, closed.round, closed
     job.open_round, job.expected = None, set()

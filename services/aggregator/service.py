@@ -42,6 +42,7 @@ from pathlib import Path
 
 import structlog
 
+from fedmq.common import codec
 from fedmq.common.allowlist import AllowList, CodeNotAllowed
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
@@ -306,14 +307,23 @@ class AggregatorService:
     def _report(self, closed: RoundClosed) -> None:
         """Tell the scheduler the round is closed (its record is on disk already)."""
         self.metrics.round_metrics(closed.job_id, closed.metrics)
-        self._publish(closed)
+        self._publish(self._with_model(closed))
         shown = {f"{src}_{name}": round(v, 4) for src, m in closed.metrics.items() for name, v in m.items()}
         log.info("round_closed", clients=len(closed.clients), seconds=round(closed.aggregate_seconds, 4),
                  **shown)
 
     def _resend_closed(self, job: AggJob, server_round: int) -> None:
         if job.last_closed is not None and job.last_closed.round == server_round:
-            self._publish(job.last_closed)
+            self._publish(self._with_model(job.last_closed))
+
+    def _with_model(self, closed: RoundClosed) -> RoundClosed:
+        """`closed` carrying the job's model (the one it announces) when that is small enough to go
+        to the learners with the next round's tasks, and sent as it is (FEDMQ_PUSH_MODEL_BYTES)."""
+        job = self.jobs.get(closed.job_id)
+        if (job is None or job.digest != closed.model_digest or job.spec.compression.downlink != "none"
+                or model_bytes(job.weights) > self.settings.push_model_bytes):
+            return closed
+        return closed.model_copy(update={"model": codec.packb(dict(job.weights))})
 
     def _publish(self, msg: Message) -> None:
         self.bus.publish(topology.SCHEDULER, to_wire(msg))

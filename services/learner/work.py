@@ -26,8 +26,9 @@ import structlog
 import torch
 from torch import nn
 
+from fedmq.common import codec
 from fedmq.common.allowlist import AllowList, CodeNotAllowed
-from fedmq.common.codec import TensorFile
+from fedmq.common.codec import TensorFile, state_digest
 from fedmq.common.codec.compress import CompressionSpec, Downlink, Residual, widened, widens
 from fedmq.common.codec.updates import (
     check_no_prefix,
@@ -36,7 +37,7 @@ from fedmq.common.codec.updates import (
     with_prefix,
 )
 from fedmq.common.coderefs import check_code
-from fedmq.common.errors import ClientDataError, FedmqError
+from fedmq.common.errors import ClientDataError, DecodeError, FedmqError
 from fedmq.common.jobspec import JobSpec, canonical_json, parse_job
 from fedmq.common.messages import ClientFailure, ClientUpdate, EvalReport, EvalTask, TrainTask
 from fedmq.common.metrics import Metrics
@@ -382,7 +383,7 @@ class Work:
         them (a publish that timed out goes on) when this learner trains its next task."""
         job = self._job(task.job_id, task.spec)
         started = time.perf_counter()
-        weights, fetch_bytes = self._weights(job, task.job_id, task.model_digest)
+        weights, fetch_bytes = self._weights(job, task.job_id, task.model_digest, task.model)
         stored = self._kept_state(task) if task.config.get(CLIENT_STATE) else {}
         client_state, residual = split_residual(stored)  # the strategy's, and compression's own
         fetched = time.perf_counter()
@@ -475,7 +476,7 @@ class Work:
         # load every client of every round again (100 digits clients a round: 64 cached, none hit).
         self.data.limit = max(self.data.limit, min(len(tasks), self.settings.fuse_clients))
         started = time.perf_counter()
-        weights, fetch_bytes = self._weights(job, first.job_id, first.model_digest)
+        weights, fetch_bytes = self._weights(job, first.job_id, first.model_digest, first.model)
         fetched = time.perf_counter()
         job.load(weights, first.round, first.client, first.model_digest)
         out: list[ClientUpdate | Exception | None] = [None] * len(tasks)
@@ -574,7 +575,7 @@ class Work:
     def evaluate(self, task: EvalTask) -> EvalReport:
         job = self._job(task.job_id, task.spec)
         started = time.perf_counter()
-        weights, fetch_bytes = self._weights(job, task.job_id, task.model_digest)
+        weights, fetch_bytes = self._weights(job, task.job_id, task.model_digest, task.model)
         fetch_seconds = time.perf_counter() - started
         data = self._client_data(job, task.job_id, task.client)
         job.load(weights, task.round, task.client, task.model_digest)
@@ -657,15 +658,37 @@ class Work:
         data_dir = self.settings.data_dir
         return self.data.get(job_id, client, lambda: job.runtime.load_data(client, data_dir))
 
-    def _weights(self, job: JobContext, job_id: str, digest: str) -> tuple[Mapping[str, torch.Tensor], int]:
-        """The round's global model, and the bytes it took: from the cache by digest (0), else fetched
-        (with compression.downlink, rounded on the wire and widened back to the model's dtypes here)."""
+    def _pushed(self, packed: bytes, digest: str) -> tuple[dict[str, torch.Tensor] | None, int]:
+        """The model a task brought, and its size, if it decodes to tensors that hash to `digest`
+        (else None: it is fetched from the aggregator, which keeps the model that digest names)."""
+        try:
+            weights = codec.unpackb(packed, max_bytes=self.settings.max_message_bytes)
+        except DecodeError:
+            weights = None
+        tensors = isinstance(weights, dict) and all(
+            isinstance(name, str) and isinstance(t, torch.Tensor) for name, t in weights.items())
+        if tensors and weights and state_digest(weights) == digest:
+            return weights, len(packed)
+        log.warning("pushed_model_refused", digest=digest[:12])
+        return None, 0
+
+    def _weights(
+        self, job: JobContext, job_id: str, digest: str, pushed: bytes = b""
+    ) -> tuple[Mapping[str, torch.Tensor], int]:
+        """The round's global model, and the bytes it took: from the cache by digest (0); else the
+        model that came with the task (`pushed`), if it hashes to the digest; else fetched (with
+        compression.downlink, rounded on the wire and widened back to the model's dtypes here)."""
         downlink = job.spec.compression.downlink
         key = digest if downlink == "none" else f"{digest}/{downlink}"  # two jobs may share a model
         weights = self._models.get(key)
         if weights is not None:
             self._models.move_to_end(key)
             return weights, 0
+        if pushed and downlink == "none":
+            weights, size = self._pushed(pushed, digest)
+            if weights is not None:
+                self._models[key] = weights
+                return weights, size
         weights, size = self.fetch(job_id, digest, downlink)
         if downlink != "none":  # a large one stays in its file, widened a tensor at a time
             like = job.model.state_dict()

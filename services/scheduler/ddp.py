@@ -167,7 +167,7 @@ class DdpLoop:
             log.info("ddp_checkpoint", step=msg.step, digest=msg.digest[:12])
             return
         group["final"] = {"digest": msg.digest, "model_path": msg.model_path}
-        job.model_digest = msg.digest
+        job.model_digest, job.model = msg.digest, b""
         self._maybe_done(job)
 
     def _maybe_done(self, job: SchedJob) -> None:

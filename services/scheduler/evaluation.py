@@ -56,7 +56,7 @@ class EvaluationLoop:
         state = job.state
         if state is not None:
             note_holders(job, msg.clients, state)
-        job.model_digest, job.config = msg.model_digest, dict(msg.config)
+        job.model_digest, job.config, job.model = msg.model_digest, dict(msg.config), msg.model
         if state is None:  # round 0: the initial model
             record = round_record(msg, job.sync, clients=0, failed=0, seconds=0.0)
         else:
@@ -125,7 +125,7 @@ class EvaluationLoop:
         self.ctx.bus.publish_all([
             (self.rounds.task_queue(job, client), to_wire(EvalTask(
                 job_id=job.job_id, task_id=f"{job.job_id}:e{server_round}:{client}", round=server_round,
-                client=client, model_digest=job.model_digest, spec=job.raw_spec,
+                client=client, model_digest=job.model_digest, spec=job.raw_spec, model=job.model,
             )))
             for client in clients if client not in unserved
         ])

@@ -45,6 +45,10 @@ class SchedJob:
     # close last folded it, the learner of that update, its state tag). None: not known for every
     # round (a job from before they were kept, or one whose state is not the learners' alone).
     holders: dict[int, tuple[int, str, str]] | None = None
+    # The global model of model_digest, packed, when the aggregator sent it with its RoundClosed (a
+    # small one): it goes to the learners with the round's tasks. Not saved: after a restart they
+    # fetch it.
+    model: bytes = field(default=b"", repr=False)
 
     @property
     def wall_seconds(self) -> float | None:

@@ -163,6 +163,7 @@ class RoundLoop:
                 state_from=state_from,
                 state_holder=holder,
                 state_tag=tag,
+                model=job.model,
             )
             queue = self.task_queue(job, client, prefer)
             queued.setdefault(queue, []).append(task)

@@ -64,7 +64,8 @@ def test_a_strategy_with_round_config_and_client_state_gives_the_same_weights_on
 
 def test_global_weights_cross_the_bus_once_per_learner_per_round(transport: Transport) -> None:
     spec = small_job(clients__total=12, rounds=3)
-    result = run_job(spec, transport.settings, learners=3, connect=transport.connect, idle_timeout=60)
+    fetched = Settings(**{**transport.settings.model_dump(), "push_model_bytes": 0})  # none sent with tasks
+    result = run_job(spec, fetched, learners=3, connect=transport.connect, idle_timeout=60)
     assert result["status"] == "completed"
     fetches = result["model_fetches"]
     assert all(f <= spec.rounds for f in fetches), fetches
