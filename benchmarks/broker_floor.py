@@ -5,15 +5,16 @@ bare pika, each role in a process of its own, and times the steady round. No cod
 nothing is decoded, stored or trained. So no round of fedmq's can be faster than this one on the
 same broker and machine: a goal under it is out of reach for the pattern, whatever fedmq does.
 
-    scheduler  RoundOpen and the round's tasks, persistent, in one transaction (one wait)
-    learner    per task: the model fetched once a round (a persistent request to the model
-               queue, a reply on its own queue), the update published and confirmed, then
-               the task acked; prefetch 1, as fedmq's learners take tasks
+    scheduler  RoundOpen and the round's tasks, persistent, in one transaction (one wait): one
+               message per learner, holding its share of the clients and the model (pushed)
+    learner    per message: its clients' updates published as one message and confirmed, then
+               the message acked; prefetch 1, as fedmq's learners take tasks
     aggregator each update acked; after the round's last, RoundClosed to the scheduler,
-               persistent and confirmed; each model request answered with a 20 kB reply
+               persistent and confirmed
 
-Queues are quorum queues, as fedmq's work queues are. A second variant plays two changes to the
-pattern: the model comes with the round (no fetch), and learners take two tasks at a time.
+Queues are quorum queues, as fedmq's work queues are. A second variant plays the pattern before
+fedmq batched tasks and pushed small models: one message a task, and each learner fetching the
+model once a round (a persistent request to the model queue, a 20 kB reply on its own queue).
 
 Prints one JSON object: the steady round's median (and p90) in seconds for each variant.
 `round_overhead.py` runs the first beside fedmq's own round, in the same run.
@@ -37,6 +38,7 @@ URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
 UPDATE = b"u" * 2000  # about a digits update's size
 MODEL = b"m" * 20000  # about the digits model's
+TASK = b"t" * 2000  # about a task's fields and job spec
 STEADY_FROM = 3  # the first rounds warm the broker's queues up
 
 
@@ -63,7 +65,8 @@ def _learner(url: str, q: dict[str, str], fetch: bool, prefetch: int) -> None:
                 if got is not None and props.correlation_id == asked:
                     break
             fetched.add(server_round)
-        ch.basic_publish("", q["aggregator"], b"U" + server_round + body[8:16] + UPDATE, PERSISTENT)
+        count = body[8:16]  # the message's clients: their updates go as one message
+        ch.basic_publish("", q["aggregator"], b"U" + server_round + count + UPDATE * int(count), PERSISTENT)
         ch.basic_ack(method.delivery_tag)
 
     ch.basic_consume(q["tasks"], on_task)
@@ -97,7 +100,10 @@ def _aggregator(url: str, q: dict[str, str], clients: int) -> None:
     ch.start_consuming()
 
 
-def _scheduler(url: str, q: dict[str, str], clients: int, rounds: int, out: Any, batch: int) -> None:
+def _scheduler(
+    url: str, q: dict[str, str], clients: int, rounds: int, out: Any, batch: int, fetch: bool
+) -> None:
+    task = TASK if fetch else TASK + MODEL  # the model pushed with the tasks, or fetched
     conn = _connect(url)
     ch = conn.channel()
     ch.tx_select()
@@ -109,7 +115,7 @@ def _scheduler(url: str, q: dict[str, str], clients: int, rounds: int, out: Any,
         ch.basic_publish("", q["aggregator"], b"O" + key, PERSISTENT)
         for first in range(0, clients, batch):
             count = b"%08d" % (min(first + batch, clients) - first)
-            ch.basic_publish("", q["tasks"], key + count + UPDATE, PERSISTENT)
+            ch.basic_publish("", q["tasks"], key + count + task, PERSISTENT)
         ch.tx_commit()
 
     def on_closed(_ch: Any, method: Any, _props: Any, _body: bytes) -> None:
@@ -129,10 +135,12 @@ def _scheduler(url: str, q: dict[str, str], clients: int, rounds: int, out: Any,
 
 
 def floor(
-    url: str, clients: int, learners: int, rounds: int, *, fetch: bool = True, prefetch: int = 1,
-    batch: int = 1,
+    url: str, clients: int, learners: int, rounds: int, *, fetch: bool = False, prefetch: int = 1,
+    batch: int | None = None,
 ) -> dict[str, float]:
-    """The steady round of the pattern on fresh quorum queues, in seconds: median and p90."""
+    """The steady round of the pattern on fresh quorum queues, in seconds: median and p90. `batch`:
+    tasks a message (None: each learner's share, as fedmq's scheduler sends them)."""
+    batch = batch or -(-clients // learners)
     prefix = f"bench.floor.{uuid.uuid4().hex[:8]}"
     q = {role: f"{prefix}.{role}" for role in ("scheduler", "aggregator", "tasks", "model")}
     conn = _connect(url)
@@ -147,7 +155,8 @@ def floor(
         for proc in procs:
             proc.start()
         time.sleep(1.0)  # every consumer in place before the first round
-        scheduler = mp.Process(target=_scheduler, args=(url, q, clients, rounds, out, batch), daemon=True)
+        scheduler = mp.Process(target=_scheduler, args=(url, q, clients, rounds, out, batch, fetch),
+                               daemon=True)
         scheduler.start()
         rounds_s = sorted(out.get(timeout=300))
         scheduler.join()
@@ -173,11 +182,8 @@ def main() -> None:
     report = {
         "clients_per_round": args.clients, "learners": args.learners,
         "fedmq_pattern": floor(args.url, args.clients, args.learners, args.rounds),
-        "pushed_model_prefetch_2": floor(
-            args.url, args.clients, args.learners, args.rounds, fetch=False, prefetch=2
-        ),
-        "batched_per_learner": floor(
-            args.url, args.clients, args.learners, args.rounds, batch=-(-args.clients // args.learners)
+        "one_task_a_message_fetched": floor(
+            args.url, args.clients, args.learners, args.rounds, fetch=True, batch=1
         ),
     }
     print(json.dumps(report, indent=2))

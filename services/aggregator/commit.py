@@ -1,7 +1,7 @@
 """The aggregator's group commit, and the queue that waits behind a failed state write.
 
     ClientUpdate ─▶ checked, staged (store.stage_update) ─▶ defer ─┐   (prefetch PREFETCH)
-    ClientUpdate ─▶ ...                                    ─▶ defer ─┤
+    GroupUpdate  ─▶ its members checked, staged (stage_group) ─▶ defer ─┤
                                  bus idle, or any other message ─▶ commit:
                                      store.commit_staged per job    (durable at once)
                                      UpdateAccepted / UpdatesAccepted, one per round ─▶ scheduler
@@ -28,6 +28,7 @@ from fedmq.common.errors import StateUnwritable
 from fedmq.common.messages import UpdateAccepted, UpdatesAccepted, to_wire
 from fedmq.common.metrics import Metrics
 from fedmq.common.stateretry import StateRetry
+from fedmq.services.aggregator.intake import ACCEPTED_PER_MESSAGE
 from fedmq.services.aggregator.jobs import AggJob
 
 log = structlog.get_logger("fedmq.aggregator")
@@ -43,8 +44,13 @@ class _Unannounced(Exception):
         self.cause, self.count = cause, count
 
 
-# What an update staged: its job, its announcement, and whether it is new.
-Staged = tuple[AggJob, UpdateAccepted, bool]
+# What an update or a group staged: its job, its members' announcements, and how many it stores.
+Staged = tuple[AggJob, list[UpdateAccepted], int]
+
+
+def _in_messages(replies: list[UpdateAccepted]) -> list[list[UpdateAccepted]]:
+    """A round's announcements in messages the scheduler's frame holds (intake.ACCEPTED_PER_MESSAGE)."""
+    return [replies[at:at + ACCEPTED_PER_MESSAGE] for at in range(0, len(replies), ACCEPTED_PER_MESSAGE)]
 
 
 class GroupCommit:
@@ -71,10 +77,11 @@ class GroupCommit:
             self._backlog.append(delivery)
         return self._stalled
 
-    def defer(self, job: AggJob, delivery: Delivery, reply: UpdateAccepted, new: bool) -> None:
-        """Settle an update with those that came with it: stored together, announced in one
-        message per round, acked together, once the deliveries that have arrived are handled."""
-        self._group.add(delivery, (job, reply, new))
+    def defer(self, job: AggJob, delivery: Delivery, replies: list[UpdateAccepted], new: int) -> None:
+        """Settle an update (or a group's, `new` of them new) with those that came with it: stored
+        together, announced in one message per round, acked together, once the deliveries that
+        have arrived are handled."""
+        self._group.add(delivery, (job, replies, new))
 
     def commit(self, then: Delivery | None = None) -> bool:
         """Store, announce and ack the deferred updates. False if storing failed: then they, and
@@ -94,16 +101,18 @@ class GroupCommit:
             raise
         self.metrics.updates_accepted.inc(sum(new for _, _, new in staged))
         by_round: dict[tuple[str, int], list[UpdateAccepted]] = {}
-        for _, reply, _ in staged:
-            by_round.setdefault((reply.job_id, reply.round), []).append(reply)
+        for _, replies, _ in staged:
+            for reply in replies:
+                by_round.setdefault((reply.job_id, reply.round), []).append(reply)
         try:
             self.bus.publish_all([
                 (topology.SCHEDULER, to_wire(replies[0] if len(replies) == 1 else
                                              UpdatesAccepted(job_id=job_id, round=rnd, updates=replies)))
-                for (job_id, rnd), replies in by_round.items()
+                for (job_id, rnd), kept in by_round.items()
+                for replies in _in_messages(kept)
             ])
         except Exception as exc:
-            raise _Unannounced(exc, len(staged)) from exc
+            raise _Unannounced(exc, sum(len(replies) for _, replies, _ in staged)) from exc
 
     def _failed(self, exc: Exception, waiting: list[Delivery]) -> None:
         """The group's save failed: what it leaves unacked waits for a retry (the queue stalls)."""

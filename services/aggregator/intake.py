@@ -90,6 +90,20 @@ class Intake:
         share = size // len(updates)  # as store.update_size says
         return announcements(msg, [accepted(u, share if u.client in stored else 0) for u in updates])
 
+    def stage_group(
+        self, job: AggJob, msg: GroupUpdate, updates: list[ClientUpdate],
+        admitted: list[tuple[ClientUpdate, Admitted]], body: bytes, size: int,
+    ) -> tuple[list[UpdateAccepted], int]:
+        """As keep_group for a group whose every member is admitted for the open round: its body
+        staged, to be stored by the next group commit (commit.GroupCommit) with what came with it.
+        Its members' announcements, and how many it stores."""
+        if any(kind == "new" for _, kind in admitted):
+            self.pruner.disk(job).need(size, f"the updates of {len(updates)} clients")
+        stored = set(job.store.stage_group(msg.round, body, [update.client for update in updates]))
+        log.info("group_accepted", clients=len(updates), stored=len(stored), learner=msg.learner)
+        share = size // len(updates)  # as store.update_size says
+        return [accepted(u, share if u.client in stored else 0) for u in updates], len(stored)
+
     def _keep_each(
         self, job: AggJob, msg: GroupUpdate, admitted: list[tuple[ClientUpdate, Admitted]]
     ) -> list[UpdatesAccepted]:

@@ -147,7 +147,7 @@ class AggregatorService:
         self.inbox.handle(delivery, self._dispatch)
 
     def _dispatch(self, msg: Message, delivery: Delivery) -> Handled:
-        if not isinstance(msg, ClientUpdate) and not self.commits.commit(then=delivery):
+        if not isinstance(msg, ClientUpdate | GroupUpdate) and not self.commits.commit(then=delivery):
             return KEPT  # the updates before it are stored and announced first: they wait, and so does it
         try:
             with structlog.contextvars.bound_contextvars(
@@ -186,7 +186,7 @@ class AggregatorService:
             case ClientUpdate():
                 return self.accept_update(msg, delivery)
             case GroupUpdate():
-                self.accept_group(msg, delivery)
+                return self.accept_group(msg, delivery)
             case RoundClose():
                 self.close_round(msg)
             case DdpModel():
@@ -262,7 +262,7 @@ class AggregatorService:
             # A duplicate says its size too: the scheduler counts a client's first announcement,
             # and the first may be this one (a group whose store failed part-way, then retried).
             reply = accepted(msg, size) if kind == "new" else accepted_again(job, msg, size)
-            self.commits.defer(job, delivery, reply, kind == "new")
+            self.commits.defer(job, delivery, [reply], int(kind == "new"))
             return KEPT
         if not self.commits.commit(then=delivery):
             return KEPT  # it waits behind the updates before it
@@ -271,16 +271,26 @@ class AggregatorService:
             self._publish(accepted(msg, size) if kind == "new" else accepted_again(job, msg, size))
         return None
 
-    def accept_group(self, msg: GroupUpdate, delivery: Delivery) -> None:
+    def accept_group(self, msg: GroupUpdate, delivery: Delivery) -> Handled:
         """A fused group's updates (common/groups.py): each member checked as if it had come alone,
         the scheduler told of them in UpdatesAccepted messages. All sound: the body is kept once, as
-        one file. A member refused: it is counted and logged, the others are kept as single updates
-        (a kept group file has no refused rows). All refused: the message is dead-lettered."""
+        one file, stored, announced and acked with the updates that came with it (KEPT, as
+        accept_update's). A member refused: it is counted and logged, the others are kept as single
+        updates (a kept group file has no refused rows). All refused: the message is dead-lettered."""
         job = self._job(msg.job_id)
         updates, admitted = self.admission.admit_group(job, msg, delivery.user_id)
+        whole = len(admitted) == len(updates) and all(kind != "early" for _, kind in admitted)
+        if whole and delivery.body_path is None:
+            size = _size(delivery)
+            replies, new = self.intake.stage_group(job, msg, updates, admitted, delivery.body, size)
+            self.commits.defer(job, delivery, replies, new)
+            return KEPT
+        if not self.commits.commit(then=delivery):
+            return KEPT  # it waits behind the updates before it
         body = delivery.body_path or delivery.body
         for reply in self.intake.keep_group(job, msg, updates, admitted, body, _size(delivery)):
             self._publish(reply)
+        return None
 
     def close_round(self, msg: RoundClose) -> None:
         job = self._job(msg.job_id)

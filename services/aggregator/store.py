@@ -62,6 +62,8 @@ class JobStore:
         self._groups: dict[int, dict[int, tuple[GroupFile, int]]] = {}  # round -> grouped updates' index
         self._group_seq: dict[int, int] = {}  # round -> its last group file's number
         self._staged: dict[tuple[int, int], Path] = {}  # (round, client) -> its staged temporary file
+        # Groups staged: (round, temporary file, final path, members, the members it stores).
+        self._staged_groups: list[tuple[int, Path, Path, list[int], list[int]]] = []
 
     # -- spec and round index -------------------------------------------------
 
@@ -157,6 +159,7 @@ class JobStore:
     def has_update(self, server_round: int, client: int) -> bool:
         """Stored, or staged to be (a redelivery meanwhile is a duplicate)."""
         return ((server_round, client) in self._staged or client in self._grouped(server_round)
+                or any(r == server_round and client in new for r, _, _, _, new in self._staged_groups)
                 or self._update_path(server_round, client).exists())
 
     def put_update(self, server_round: int, client: int, body: bytes | Path) -> None:
@@ -169,17 +172,35 @@ class JobStore:
         path = self._update_path(server_round, client)
         self._staged[(server_round, client)] = statefiles.stage(path, body)
 
+    def stage_group(self, server_round: int, body: bytes, members: list[int]) -> list[int]:
+        """As put_group, written without storing it yet: `commit_staged` stores it with the staged
+        updates. Returns the members it will store; nothing is written when there are none."""
+        new = [c for c in members if not self.has_update(server_round, c)]
+        if new:
+            seq = self._group_seq.get(server_round, 0) + 1
+            path = self._updates(server_round) / f"{GROUP_PREFIX}{seq}.msg"
+            self._staged_groups.append((server_round, statefiles.stage(path, body), path, members, new))
+            self._group_seq[server_round] = seq
+        return new
+
     def commit_staged(self) -> None:
-        """Store the staged updates (fsynced, renamed into place, their folder fsynced once). A failure
-        raises StateUnwritable with none staged any more: those not stored are deleted."""
+        """Store the staged updates and groups (fsynced, renamed into place, each folder fsynced
+        once). A failure raises StateUnwritable with none staged any more: those not stored are
+        deleted."""
         staged, self._staged = self._staged, {}
+        groups, self._staged_groups = self._staged_groups, []
         pairs = [(tmp, self._update_path(r, c)) for (r, c), tmp in staged.items()]
+        pairs += [(tmp, path) for _, tmp, path, _, _ in groups]
         try:
             statefiles.commit(pairs, self.sync)
         except StateUnwritable:
             for tmp, _ in pairs:
                 tmp.unlink(missing_ok=True)
+            for server_round, *_ in groups:  # a group renamed before the failure: read from the folder
+                self._groups.pop(server_round, None)
             raise
+        for server_round, _, path, members, new in groups:
+            self._index_group(server_round, path, members, new)
 
     def put_group(self, server_round: int, body: bytes | Path, members: list[int]) -> list[int]:
         """Keep a GroupUpdate's body once (grouped.py); the members not stored before become stored.
@@ -191,12 +212,20 @@ class JobStore:
             path = self._updates(server_round) / f"{GROUP_PREFIX}{seq}.msg"
             _put(path, body, self.sync)
             self._group_seq[server_round] = seq
-            group, adopting = GroupFile(path), set(new)
-            for row, client in enumerate(members):
-                if client in adopting:
-                    index[client] = (group, row)
-                    group.adopted.add(row)
+            self._index_group(server_round, path, members, new, index)
         return new
+
+    def _index_group(
+        self, server_round: int, path: Path, members: list[int], new: list[int],
+        index: dict[int, tuple[GroupFile, int]] | None = None,
+    ) -> None:
+        """A stored group's `new` members read from it from now on."""
+        index = self._grouped(server_round) if index is None else index
+        group, adopting = GroupFile(path), set(new)
+        for row, client in enumerate(members):
+            if client in adopting:
+                index[client] = (group, row)
+                group.adopted.add(row)
 
     def read_update(self, server_round: int, client: int) -> codec.TensorFile | GroupRow:
         """A stored update: its other fields decoded, its weights read from disk only when accessed."""

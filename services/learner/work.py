@@ -493,6 +493,7 @@ class Work:
         # would find it cached: a round's figures count each fetch once.
         fetch = [(fetched - started, fetch_bytes)] + [(0.0, 0)] * len(tasks)
         trained_alone = False  # the model then holds the last client's weights, not the global model
+        alone = False  # a chunk fell back to one at a time
         for at in range(0, len(ready), limit):
             chunk = ready[at:at + limit]
             began = time.perf_counter()
@@ -501,8 +502,9 @@ class Work:
                 trained_alone = False
             trained = job.runtime.train_group(job.model, [d for _, d, _ in chunk], [c for _, _, c in chunk])
             if trained is None:  # one at a time, as `train` does
-                trained_alone = True
-                log.info("tasks_not_fused", count=len(chunk))
+                if not alone:  # said once a group, not once a chunk
+                    log.info("tasks_not_fused", count=len(chunk), group=len(ready))
+                trained_alone = alone = True
                 for i, data, ctx in chunk:
                     try:
                         began = time.perf_counter()
