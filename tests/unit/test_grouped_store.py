@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedmq.common import statefiles
 from fedmq.common.codec.files import TensorFile
+from fedmq.common.errors import StateUnwritable
 from fedmq.common.groups import group_of
 from fedmq.common.messages import to_wire
 from fedmq.services.aggregator import grouped
@@ -130,3 +132,28 @@ def test_a_groups_kept_stack_is_let_go_once_every_adopted_row_is_read(tmp_path: 
         store.read_update(1, client)["w"]
     group, _ = store._grouped(1)[2]
     assert group.adopted == {0, 2} and group._stacked is None
+
+
+def test_a_staged_group_is_stored_only_at_the_commit_and_a_failed_commit_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = JobStore(tmp_path, "job")
+    first = [update(c) for c in (2, 4)]
+    assert store.stage_group(3, to_wire(group_of(first)), [2, 4]) == [2, 4]
+    assert store.has_update(3, 2), "a second copy in the same commit is a duplicate"
+    assert store.stage_group(3, to_wire(group_of([update(4), update(6)])), [4, 6]) == [6]
+    assert JobStore(tmp_path, "job").stored_clients(3) == [], "nothing stored before the commit"
+    store.commit_staged()
+    for reader in (store, JobStore(tmp_path, "job")):
+        assert reader.stored_clients(3) == [2, 4, 6]
+        assert torch.equal(reader.read_update(3, 6)["w"], update(6).weights["w"])
+
+    def refused(pairs: object, sync: bool = True) -> None:
+        raise StateUnwritable("disk", 28, "No space left on device")
+
+    monkeypatch.setattr(statefiles, "commit", refused)
+    assert store.stage_group(3, to_wire(group_of([update(8)])), [8]) == [8]
+    with pytest.raises(StateUnwritable):
+        store.commit_staged()
+    assert not store.has_update(3, 8) and store.stored_clients(3) == [2, 4, 6]
+    assert not list((tmp_path / "job" / "updates" / "r3").glob(".*")), "no temporary file left"
