@@ -142,8 +142,8 @@ class TrainTasks(Message):
             TrainTask.model_construct(
                 msg_id=f"{self.msg_id[:48]}:{i}", job_id=self.job_id, sent_at=self.sent_at,
                 task_id=m.task_id, round=self.round, client=m.client, model_digest=self.model_digest,
-                spec=self.spec, config=self.config, state_from=m.state_from, state_holder=m.state_holder,
-                state_tag=m.state_tag, model=self.model,
+                spec=self.spec, config=dict(self.config),  # a copy each: a Task may write to ctx.config
+                state_from=m.state_from, state_holder=m.state_holder, state_tag=m.state_tag, model=self.model,
             )
             for i, m in enumerate(self.members)
         ]
@@ -553,6 +553,9 @@ _adapter: TypeAdapter[Message] = TypeAdapter(AnyMessage)
 
 
 TENSOR_FIELDS = ("weights", "extras", "state", "delta")  # name -> tensor maps, encoded as they are
+# Fields added to a message type after its schema version: left off the wire while they hold their
+# default, so a build from before them, which refuses unknown fields, still reads the message.
+NEWER_FIELDS = {"model": b"", "downlink": "none"}
 
 
 def to_wire(msg: Message) -> bytes:
@@ -564,6 +567,9 @@ def to_wire_parts(msg: Message) -> codec.Encoded:
     """to_wire's encoding as parts that view the message's tensors: a large message is published
     chunk by chunk from them, never joined into one copy (keep the tensors unchanged till then)."""
     fields = msg.model_dump(exclude=set(TENSOR_FIELDS))
+    for name, default in NEWER_FIELDS.items():
+        if name in fields and fields[name] == default:
+            del fields[name]
     for name in TENSOR_FIELDS:
         if name in type(msg).model_fields:
             fields[name] = getattr(msg, name)

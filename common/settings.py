@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fedmq.common.allowlist import parse_prefixes
 from fedmq.common.errors import ConfigError
+from fedmq.common.messages import PUSHED_MODEL_MAX, TASK_BATCH_MAX
 from fedmq.common.sites import SITE_NAME
 from fedmq.common.tls import client_context
 
@@ -139,16 +140,18 @@ class Settings(BaseSettings):
         "as their state_dir is; unset: each learner fetches its own",
     )
     push_model_bytes: int = Field(
-        1024**2, ge=0, le=64 * 1024**2, description="aggregator: a global model of at most this many "
+        1024**2, ge=0, le=PUSHED_MODEL_MAX, description="aggregator: a global model of at most this many "
         "bytes goes to the learners with the round's tasks (through the scheduler), checked against its "
-        "digest there, instead of each learner fetching it; larger models, and those a job sends "
-        "rounded (compression.downlink), are fetched. 0: always fetched",
+        "digest there, instead of each learner fetching it (up to half of FEDMQ_FRAME_BYTES, and in at "
+        "most 64 messages of a round); larger models, and those a job sends rounded "
+        "(compression.downlink), are fetched. 0: always fetched",
     )
     task_batch: int = Field(
-        64, ge=1, le=10_000, description="scheduler: the most training tasks of a round it sends in one "
-        "message. A round's tasks for a queue go as one message per learner serving it (its share, up to "
-        "this), so a learner takes its share at once and its updates go back together; 1: one message a "
-        "task, which learners older than the batched tasks need",
+        64, ge=1, le=TASK_BATCH_MAX, description="scheduler: the most training tasks of a round it sends "
+        "in one message. A round's tasks for a queue go as one message per learner serving it (its share, "
+        "up to this), so a learner takes its share at once (a fused job's updates then go back as one "
+        "message); 1: one message a task, as learners older than these batches read (with "
+        "FEDMQ_PUSH_MODEL_BYTES=0 on the aggregator)",
     )
     fuse_clients: int = Field(
         1, ge=1, description="the most clients a learner trains together in one fused group, for jobs with "

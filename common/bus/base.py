@@ -83,6 +83,12 @@ class SharedDelivery(Delivery):
     def live(self) -> bool:
         return self._of.live()
 
+    @property
+    def doomed(self) -> bool:
+        """Whether it goes back (or to the dead letters) whatever its other pieces do: a piece was
+        requeued or rejected, or its connection is gone."""
+        return self._requeue or self._rejected is not None or not self._of.live()
+
     def _settle(self) -> None:
         with self._lock:
             self._left -= 1

@@ -28,7 +28,7 @@ from fedmq.common.errors import StateUnwritable
 from fedmq.common.messages import UpdateAccepted, UpdatesAccepted, to_wire
 from fedmq.common.metrics import Metrics
 from fedmq.common.stateretry import StateRetry
-from fedmq.services.aggregator.intake import ACCEPTED_PER_MESSAGE
+from fedmq.services.aggregator.intake import in_messages
 from fedmq.services.aggregator.jobs import AggJob
 
 log = structlog.get_logger("fedmq.aggregator")
@@ -46,11 +46,6 @@ class _Unannounced(Exception):
 
 # What an update or a group staged: its job, its members' announcements, and how many it stores.
 Staged = tuple[AggJob, list[UpdateAccepted], int]
-
-
-def _in_messages(replies: list[UpdateAccepted]) -> list[list[UpdateAccepted]]:
-    """A round's announcements in messages the scheduler's frame holds (intake.ACCEPTED_PER_MESSAGE)."""
-    return [replies[at:at + ACCEPTED_PER_MESSAGE] for at in range(0, len(replies), ACCEPTED_PER_MESSAGE)]
 
 
 class GroupCommit:
@@ -109,7 +104,7 @@ class GroupCommit:
                 (topology.SCHEDULER, to_wire(replies[0] if len(replies) == 1 else
                                              UpdatesAccepted(job_id=job_id, round=rnd, updates=replies)))
                 for (job_id, rnd), kept in by_round.items()
-                for replies in _in_messages(kept)
+                for replies in in_messages(kept)
             ])
         except Exception as exc:
             raise _Unannounced(exc, sum(len(replies) for _, replies, _ in staged)) from exc

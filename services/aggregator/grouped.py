@@ -32,7 +32,8 @@ from fedmq.common import codec
 
 GROUP_PREFIX = "g"
 CACHE_BYTES = 16 << 20  # the largest stacked tensor a group keeps between reads of its rows (16 MiB)
-SHARED = ("round", "base_digest", "learner", "fetch_seconds", "fetch_bytes")  # a group's, every member's
+SHARED = ("round", "base_digest", "learner")  # a group's, every member's
+FETCH = ("fetch_seconds", "fetch_bytes")  # the group's model fetch: its first member's (common/groups.py)
 
 
 class GroupFile:
@@ -43,7 +44,9 @@ class GroupFile:
         self.tensors = codec.index_tensors(path, "weights")
         fields = self.tensors.fields
         shared = {k: fields.get(k) for k in SHARED}
-        self.members: list[dict[str, Any]] = [{**shared, **dict(m)} for m in fields.get("members", [])]
+        fetch = {k: fields.get(k) for k in FETCH}
+        self.members: list[dict[str, Any]] = [{**shared, **(fetch if i == 0 else {}), **dict(m)}
+                                              for i, m in enumerate(fields.get("members", []))]
 
         self.adopted: set[int] = set()  # the rows the store reads as its members' updates
         self._stacked: tuple[str, torch.Tensor, set[int]] | None = None  # name, tensor, adopted rows unread

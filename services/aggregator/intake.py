@@ -12,7 +12,7 @@ scheduler's frame holds; the group commit (commit.py) announces the staged ones.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import structlog
@@ -49,8 +49,12 @@ def accepted_again(job: AggJob, msg: ClientUpdate, size: int) -> UpdateAccepted:
 
 def announcements(msg: GroupUpdate, kept: list[UpdateAccepted]) -> list[UpdatesAccepted]:
     """UpdatesAccepted for a group's kept members, in messages the scheduler's frame holds."""
-    return [UpdatesAccepted(job_id=msg.job_id, round=msg.round, updates=kept[at:at + ACCEPTED_PER_MESSAGE])
-            for at in range(0, len(kept), ACCEPTED_PER_MESSAGE)]
+    return [UpdatesAccepted(job_id=msg.job_id, round=msg.round, updates=part) for part in in_messages(kept)]
+
+
+def in_messages(replies: list[UpdateAccepted]) -> list[list[UpdateAccepted]]:
+    """A round's announcements in parts of ACCEPTED_PER_MESSAGE, one message each."""
+    return [replies[at:at + ACCEPTED_PER_MESSAGE] for at in range(0, len(replies), ACCEPTED_PER_MESSAGE)]
 
 
 class Intake:
@@ -82,24 +86,31 @@ class Intake:
         round, else each member kept as a single update (a kept group file has no refused rows)."""
         if len(admitted) < len(updates) or any(kind == "early" for _, kind in admitted):  # rare
             return self._keep_each(job, msg, admitted)
-        if any(kind == "new" for _, kind in admitted):
-            self.pruner.disk(job).need(size, f"the updates of {len(updates)} clients")
-        stored = set(job.store.put_group(msg.round, body, [update.client for update in updates]))
-        self.metrics.updates_accepted.inc(len(stored))
-        log.info("group_accepted", clients=len(updates), stored=len(stored), learner=msg.learner)
-        share = size // len(updates)  # as store.update_size says
-        return announcements(msg, [accepted(u, share if u.client in stored else 0) for u in updates])
+        replies, stored = self._group(job, msg, admitted, size,
+                                      lambda clients: job.store.put_group(msg.round, body, clients))
+        self.metrics.updates_accepted.inc(stored)
+        return announcements(msg, replies)
 
     def stage_group(
-        self, job: AggJob, msg: GroupUpdate, updates: list[ClientUpdate],
-        admitted: list[tuple[ClientUpdate, Admitted]], body: bytes, size: int,
+        self, job: AggJob, msg: GroupUpdate, admitted: list[tuple[ClientUpdate, Admitted]], body: bytes,
+        size: int,
     ) -> tuple[list[UpdateAccepted], int]:
         """As keep_group for a group whose every member is admitted for the open round: its body
         staged, to be stored by the next group commit (commit.GroupCommit) with what came with it.
         Its members' announcements, and how many it stores."""
+        return self._group(job, msg, admitted, size,
+                           lambda clients: job.store.stage_group(msg.round, body, clients))
+
+    def _group(
+        self, job: AggJob, msg: GroupUpdate, admitted: list[tuple[ClientUpdate, Admitted]], size: int,
+        keep: Callable[[list[int]], list[int]],
+    ) -> tuple[list[UpdateAccepted], int]:
+        """A whole group's body kept (`keep`: put or staged; it returns the members it stores): its
+        members' announcements, and how many it stores."""
+        updates = [update for update, _ in admitted]
         if any(kind == "new" for _, kind in admitted):
             self.pruner.disk(job).need(size, f"the updates of {len(updates)} clients")
-        stored = set(job.store.stage_group(msg.round, body, [update.client for update in updates]))
+        stored = set(keep([update.client for update in updates]))
         log.info("group_accepted", clients=len(updates), stored=len(stored), learner=msg.learner)
         share = size // len(updates)  # as store.update_size says
         return [accepted(u, share if u.client in stored else 0) for u in updates], len(stored)

@@ -50,6 +50,7 @@ from fedmq.common.errors import FedmqError, ValidationError
 from fedmq.common.inbox import KEPT, Handled, Inbox
 from fedmq.common.jobspec import parse_job
 from fedmq.common.messages import (
+    PUSHED_MODEL_MAX,
     ClientUpdate,
     DdpModel,
     GroupUpdate,
@@ -282,7 +283,7 @@ class AggregatorService:
         whole = len(admitted) == len(updates) and all(kind != "early" for _, kind in admitted)
         if whole and delivery.body_path is None:
             size = _size(delivery)
-            replies, new = self.intake.stage_group(job, msg, updates, admitted, delivery.body, size)
+            replies, new = self.intake.stage_group(job, msg, admitted, delivery.body, size)
             self.commits.defer(job, delivery, replies, new)
             return KEPT
         if not self.commits.commit(then=delivery):
@@ -328,12 +329,15 @@ class AggregatorService:
 
     def _with_model(self, closed: RoundClosed) -> RoundClosed:
         """`closed` carrying the job's model (the one it announces) when that is small enough to go
-        to the learners with the next round's tasks, and sent as it is (FEDMQ_PUSH_MODEL_BYTES)."""
+        to the learners with the next round's tasks (FEDMQ_PUSH_MODEL_BYTES, and half a frame: the
+        scheduler's and the learners' inboxes read no more), and is sent as it is."""
         job = self.jobs.get(closed.job_id)
+        limit = min(self.settings.push_model_bytes, self.settings.frame_bytes // 2, PUSHED_MODEL_MAX)
         if (job is None or job.digest != closed.model_digest or job.spec.compression.downlink != "none"
-                or model_bytes(job.weights) > self.settings.push_model_bytes):
+                or model_bytes(job.weights) > limit):
             return closed
-        return closed.model_copy(update={"model": codec.packb(dict(job.weights))})
+        packed = codec.packb(dict(job.weights))
+        return closed.model_copy(update={"model": packed}) if len(packed) <= limit else closed
 
     def _publish(self, msg: Message) -> None:
         self.bus.publish(topology.SCHEDULER, to_wire(msg))

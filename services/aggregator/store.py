@@ -175,13 +175,20 @@ class JobStore:
     def stage_group(self, server_round: int, body: bytes, members: list[int]) -> list[int]:
         """As put_group, written without storing it yet: `commit_staged` stores it with the staged
         updates. Returns the members it will store; nothing is written when there are none."""
-        new = [c for c in members if not self.has_update(server_round, c)]
+        new, path = self._new_group(server_round, members)
         if new:
-            seq = self._group_seq.get(server_round, 0) + 1
-            path = self._updates(server_round) / f"{GROUP_PREFIX}{seq}.msg"
             self._staged_groups.append((server_round, statefiles.stage(path, body), path, members, new))
-            self._group_seq[server_round] = seq
         return new
+
+    def _new_group(self, server_round: int, members: list[int]) -> tuple[list[int], Path]:
+        """A group's members not stored before (nor staged), and the path of the round's next group
+        file (its number taken when there are any)."""
+        self._grouped(server_round)  # after a restart: the round's last group file's number
+        new = [c for c in members if not self.has_update(server_round, c)]
+        seq = self._group_seq.get(server_round, 0) + 1
+        if new:
+            self._group_seq[server_round] = seq
+        return new, self._updates(server_round) / f"{GROUP_PREFIX}{seq}.msg"
 
     def commit_staged(self) -> None:
         """Store the staged updates and groups (fsynced, renamed into place, each folder fsynced
@@ -205,22 +212,15 @@ class JobStore:
     def put_group(self, server_round: int, body: bytes | Path, members: list[int]) -> list[int]:
         """Keep a GroupUpdate's body once (grouped.py); the members not stored before become stored.
         Returns those members; nothing is written when there are none."""
-        index = self._grouped(server_round)
-        new = [c for c in members if not self.has_update(server_round, c)]
+        new, path = self._new_group(server_round, members)
         if new:
-            seq = self._group_seq.get(server_round, 0) + 1
-            path = self._updates(server_round) / f"{GROUP_PREFIX}{seq}.msg"
             _put(path, body, self.sync)
-            self._group_seq[server_round] = seq
-            self._index_group(server_round, path, members, new, index)
+            self._index_group(server_round, path, members, new)
         return new
 
-    def _index_group(
-        self, server_round: int, path: Path, members: list[int], new: list[int],
-        index: dict[int, tuple[GroupFile, int]] | None = None,
-    ) -> None:
+    def _index_group(self, server_round: int, path: Path, members: list[int], new: list[int]) -> None:
         """A stored group's `new` members read from it from now on."""
-        index = self._grouped(server_round) if index is None else index
+        index = self._grouped(server_round)
         group, adopting = GroupFile(path), set(new)
         for row, client in enumerate(members):
             if client in adopting:

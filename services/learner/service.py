@@ -240,6 +240,9 @@ class LearnerService:
             if self._stopping:
                 return
             item = waiting.pop(0)
+            if isinstance(item[1], SharedDelivery) and item[1].doomed:
+                self._settle(item[1], requeue=True)  # its message comes again whole: not trained here
+                continue
             # In a DDP group: the task waits, unacked (prefetch: no other comes meanwhile); the
             # round's nudge sends it to another learner if the group outlasts the round.
             while self.ddp.active and not self._stopping:
@@ -253,9 +256,9 @@ class LearnerService:
     def _gather(
         self, first: tuple[Task, Delivery], waiting: list[tuple[Task, Delivery]]
     ) -> list[tuple[TrainTask, Delivery]] | None:
-        """`first` and the tasks taken already that train with it (one fused job, round and model:
-        the rest of its TrainTasks, and any of that round sent to this learner's own queue); None:
-        `first` trains alone, as any task does. Others stay in `waiting`, in order."""
+        """`first` and the rest of its message (a TrainTasks) that train with it: one fused job, round
+        and model, as many as one group message holds; None: `first` trains alone, as any task does.
+        Others stay in `waiting`, in order."""
         task = first[0]
         try:
             if not isinstance(task, TrainTask) or not self.work.fusable(task):
@@ -264,10 +267,13 @@ class LearnerService:
             return None
         key = (task.job_id, task.round, task.model_digest)
         group: list[tuple[TrainTask, Delivery]] = [(task, first[1])]
+        # Held till the group's message goes: no more updates than one message carries.
+        limit = self.work.gather_limit(task, GROUP_MESSAGE_BYTES)
         rest, waiting[:] = list(waiting), []
         for item in rest:
             other = item[0]  # not another job's, round's, or a second copy of a client's (a nudge)
-            if (isinstance(other, TrainTask) and (other.job_id, other.round, other.model_digest) == key
+            if (len(group) < limit and isinstance(other, TrainTask)
+                    and (other.job_id, other.round, other.model_digest) == key
                     and all(other.client != mine.client for mine, _ in group)):
                 group.append((other, item[1]))
             else:

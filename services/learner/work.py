@@ -511,7 +511,8 @@ class Work:
                         job.load(weights, tasks[i].round, tasks[i].client, first.model_digest)
                         state, result = job.runtime.trained(job.model, data, ctx)
                         out[i] = self._update(job, tasks[i], weights, job.trained_state(state), result,
-                                              time.perf_counter() - began, *fetch.pop(0))
+                                              time.perf_counter() - began, *fetch[0])
+                        fetch.pop(0)
                     except Exception as exc:
                         out[i] = exc
                 continue
@@ -524,10 +525,18 @@ class Work:
                     continue
                 self.metrics.train_seconds.observe(seconds)
                 try:
-                    out[i] = self._update(job, tasks[i], weights, one[0], one[1], seconds, *fetch.pop(0))
+                    out[i] = self._update(job, tasks[i], weights, one[0], one[1], seconds, *fetch[0])
+                    fetch.pop(0)
                 except Exception as exc:
                     out[i] = exc
         return [o if o is not None else FedmqError("not trained") for o in out]
+
+    def gather_limit(self, task: TrainTask, message_bytes: int) -> int:
+        """The most tasks of its job, round and model trained and sent as one group: its fused
+        group's limit, or as many updates as `message_bytes` of the model's tensors hold."""
+        job = self._job(task.job_id, task.spec)
+        size = sum(t.numel() * t.element_size() for t in job.model.state_dict().values())
+        return max(self.group_limit(job), message_bytes // max(1, size))
 
     def group_limit(self, job: JobContext) -> int:
         """The most clients in one fused group: FEDMQ_FUSE_CLIENTS, and what fits the memory budget."""
@@ -686,18 +695,20 @@ class Work:
         if weights is not None:
             self._models.move_to_end(key)
             return weights, 0
-        if pushed and downlink == "none":
-            weights, size = self._pushed(pushed, digest)
-            if weights is not None:
-                self._models[key] = weights
-                return weights, size
-        weights, size = self.fetch(job_id, digest, downlink)
-        if downlink != "none":  # a large one stays in its file, widened a tensor at a time
-            like = job.model.state_dict()
-            weights = Widened(weights, like) if isinstance(weights, TensorFile) else widened(weights, like)
-        if size:  # over the bus (0: by reference, or from the folder the host's learners share)
-            self.fetches += 1
-            self.metrics.model_fetches.inc()
+        came, size = self._pushed(pushed, digest) if pushed and downlink == "none" else (None, 0)
+        if came is not None:
+            weights = came
+        else:
+            weights, size = self.fetch(job_id, digest, downlink)
+            if downlink != "none":  # a large one stays in its file, widened a tensor at a time
+                like = job.model.state_dict()
+                if isinstance(weights, TensorFile):
+                    weights = Widened(weights, like)
+                else:
+                    weights = widened(weights, like)
+            if size:  # over the bus (0: by reference, or from the folder the host's learners share)
+                self.fetches += 1
+                self.metrics.model_fetches.inc()
         self._models[key] = weights
         while len(self._models) > MODEL_CACHE:
             _drop(self._models.popitem(last=False)[1])

@@ -63,6 +63,7 @@ class SchedContext:
         """End the job; `error`: where its user code raised (then in the event's data too)."""
         job.status, job.reason, job.error = status, reason, error
         job.finished_at = time.time()
+        job.model = b""  # no more tasks to send it with
         if job.group and job.group.get("members"):  # cancelled, or failed otherwise: its ranks end too
             for name in job.group["members"]:
                 stop = DdpStop(job_id=job.job_id, attempt=job.group["attempt"])

@@ -19,10 +19,10 @@ from typing import Any
 
 import structlog
 
-from fedmq.common.messages import EvalReport, EvalTask, RoundClosed, to_wire
+from fedmq.common.messages import EvalReport, EvalTask, RoundClosed
 from fedmq.services.scheduler.context import SchedContext, cancel_timers
 from fedmq.services.scheduler.jobs import COMPLETED, SchedJob, note_holders
-from fedmq.services.scheduler.loop import RoundLoop
+from fedmq.services.scheduler.loop import PUSH_MESSAGES_MAX, RoundLoop, with_model
 from fedmq.services.scheduler.records import (
     add_eval_sync,
     better,
@@ -122,12 +122,14 @@ class EvaluationLoop:
 
     def dispatch(self, job: SchedJob, server_round: int, clients: list[int]) -> list[int]:
         unserved = self.rounds.unserved(job, clients)
+        sent = [client for client in clients if client not in unserved]
+        model = job.model if len(sent) <= PUSH_MESSAGES_MAX else b""  # one message a client
         self.ctx.bus.publish_all([
-            (self.rounds.task_queue(job, client), to_wire(EvalTask(
+            (self.rounds.task_queue(job, client), with_model(EvalTask(
                 job_id=job.job_id, task_id=f"{job.job_id}:e{server_round}:{client}", round=server_round,
-                client=client, model_digest=job.model_digest, spec=job.raw_spec, model=job.model,
-            )))
-            for client in clients if client not in unserved
+                client=client, model_digest=job.model_digest, spec=job.raw_spec,
+            ), model, self.ctx.settings.frame_bytes))
+            for client in sent
         ])
         return unserved
 

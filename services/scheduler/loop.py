@@ -22,10 +22,12 @@ import structlog
 
 from fedmq.common.bus import topology
 from fedmq.common.messages import (
+    EvalTask,
     FailedClient,
     RoundClose,
     RoundOpen,
     TrainTask,
+    TrainTasks,
     batch_of,
     to_wire,
 )
@@ -41,6 +43,9 @@ from fedmq.services.scheduler.sampling import sample_clients
 
 log = structlog.get_logger("fedmq.scheduler")
 
+# The most messages of one dispatch that carry the round's model (a small one the aggregator sent):
+# beyond, none does and the learners fetch it, rather than the broker storing it that many times.
+PUSH_MESSAGES_MAX = 64
 NUDGE_BEFORE = 0.2  # re-dispatch missing tasks when this share of the round's time is left
 # The most tasks of a round sent to one learner's own queue: well inside its prefetch there
 # (learner/service.py CONTROL_PREFETCH), so its DDP control messages never wait behind them.
@@ -163,7 +168,6 @@ class RoundLoop:
                 state_from=state_from,
                 state_holder=holder,
                 state_tag=tag,
-                model=job.model,
             )
             queue = self.task_queue(job, client, prefer)
             queued.setdefault(queue, []).append(task)
@@ -171,11 +175,14 @@ class RoundLoop:
                 serving[queue] = self._serving(job, client, queue)
         # One message per learner serving a queue (FEDMQ_TASK_BATCH the most in one): a learner takes
         # its share at once. Unknown learners (a scheduler just started): one a task, for any to take.
+        batches: list[tuple[str, TrainTask | TrainTasks]] = []
         for queue, tasks in queued.items():
             learners = serving[queue]
             size = min(self.ctx.settings.task_batch, -(-len(tasks) // learners)) if learners else 1
-            messages.extend((queue, to_wire(batch_of(tasks[at:at + size])))
-                            for at in range(0, len(tasks), size))
+            batches.extend((queue, batch_of(tasks[at:at + size])) for at in range(0, len(tasks), size))
+        model = job.model if len(batches) <= PUSH_MESSAGES_MAX else b""
+        frame = self.ctx.settings.frame_bytes
+        messages.extend((queue, with_model(msg, model, frame)) for queue, msg in batches)
         self.ctx.bus.publish_all(messages)
         return unserved
 
@@ -289,6 +296,16 @@ class RoundLoop:
             f"job did not start within {limit:g} s: {why}; FEDMQ_JOB_START_TIMEOUT_S sets this limit"
         ))
         self.ctx.save(job)
+
+
+def with_model(msg: TrainTask | TrainTasks | EvalTask, model: bytes, frame_bytes: int) -> bytes:
+    """`msg` encoded with the round's model (b"": without), or without it where it would not fit the
+    learners' frame (they then fetch it)."""
+    if model:
+        body = to_wire(msg.model_copy(update={"model": model}))
+        if len(body) <= frame_bytes:
+            return body
+    return to_wire(msg)
 
 
 def round_close(job_id: str, state: RoundState, keep: list[str] | None = None) -> RoundClose:

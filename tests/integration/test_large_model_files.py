@@ -40,9 +40,9 @@ def test_a_large_model_trains_from_its_file_to_the_in_memory_bits(
     weights_of = Work._weights
 
     def recording(
-        self: Work, job: JobContext, job_id: str, digest: str
+        self: Work, job: JobContext, job_id: str, digest: str, pushed: bytes = b""
     ) -> tuple[Mapping[str, torch.Tensor], int]:
-        weights, size = weights_of(self, job, job_id, digest)
+        weights, size = weights_of(self, job, job_id, digest, pushed)
         cached.append((type(weights), isinstance(weights, TensorFile) and Path(weights.path).exists()))
         if isinstance(weights, TensorFile):
             kept.append(len(list(Path(weights.path).parent.glob("*.msg"))))

@@ -99,8 +99,10 @@ def test_a_rounded_downlink_over_rabbitmq_is_the_engines_run_and_is_not_shared(
     kinds: list[type] = []
     weights_of = Work._weights
 
-    def recording(self: Work, job: JobContext, job_id: str, digest: str) -> tuple[Mapping[str, Any], int]:
-        weights, size = weights_of(self, job, job_id, digest)
+    def recording(
+        self: Work, job: JobContext, job_id: str, digest: str, pushed: bytes = b""
+    ) -> tuple[Mapping[str, Any], int]:
+        weights, size = weights_of(self, job, job_id, digest, pushed)
         kinds.append(type(weights))
         return weights, size
 

@@ -11,12 +11,26 @@ from pathlib import Path
 
 import pytest
 
+from fedmq.common import codec
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Delivery, SharedDelivery
 from fedmq.common.bus.memory import MemoryBroker
-from fedmq.common.messages import Heartbeat, TrainTask, TrainTasks, batch_of, from_wire, to_wire
+from fedmq.common.messages import (
+    NEWER_FIELDS,
+    EvalTask,
+    Heartbeat,
+    Message,
+    ModelGet,
+    RoundClosed,
+    TrainTask,
+    TrainTasks,
+    batch_of,
+    from_wire,
+    to_wire,
+)
 from fedmq.common.settings import Settings
 from fedmq.services.scheduler.jobs import SchedJob
+from fedmq.services.scheduler.loop import with_model
 from fedmq.services.scheduler.registry import Registry
 from fedmq.services.scheduler.service import SchedulerService
 from tests.conftest import small_job
@@ -120,3 +134,24 @@ def test_a_shared_delivery_is_acked_once_every_task_is_and_goes_back_whole_if_on
     shared.requeue()
     shared.ack()
     assert whole.settled == ["requeue"], "the tasks already answered come again, as duplicates"
+
+
+def test_a_model_goes_with_the_tasks_only_where_it_fits_the_learners_frame() -> None:
+    task = TrainTask(job_id="j", task_id="j:1:0", round=1, client=0, model_digest="d", spec={})
+    model = b"m" * 1000
+    assert from_wire(with_model(task, model, 64 * 1024)).model == model  # type: ignore[attr-defined]
+    assert from_wire(with_model(task, model, 900)).model == b"", (  # type: ignore[attr-defined]
+        "too large: the learner fetches it")
+
+
+@pytest.mark.parametrize("msg", [
+    TrainTask(job_id="j", task_id="j:1:0", round=1, client=0, model_digest="d", spec={}),
+    EvalTask(job_id="j", task_id="j:e1:0", round=1, client=0, model_digest="d", spec={}),
+    RoundClosed(job_id="j", round=1, model_digest="d"),
+    ModelGet(job_id="j", digest="d"),
+])
+def test_fields_newer_than_a_message_type_stay_off_the_wire_at_their_default(msg: Message) -> None:
+    """So a build from before them, which refuses unknown fields, still reads the message."""
+    sent = codec.unpackb(to_wire(msg))
+    assert not set(NEWER_FIELDS) & set(sent)
+    assert from_wire(to_wire(msg)) == msg
