@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from fedmq.common import codec
 from fedmq.common.bus import topology
-from fedmq.common.bus.base import Delivery, SharedDelivery
+from fedmq.common.bus.base import SharedDelivery
 from fedmq.common.bus.memory import MemoryBroker
 from fedmq.common.messages import (
     NEWER_FIELDS,
@@ -34,20 +33,7 @@ from fedmq.services.scheduler.loop import with_model
 from fedmq.services.scheduler.registry import Registry
 from fedmq.services.scheduler.service import SchedulerService
 from tests.conftest import small_job
-
-
-@dataclass(eq=False)
-class Recorded(Delivery):
-    settled: list[str] = field(default_factory=list)
-
-    def ack(self) -> None:
-        self.settled.append("ack")
-
-    def reject(self, reason: str) -> None:
-        self.settled.append(f"reject {reason}")
-
-    def requeue(self) -> None:
-        self.settled.append("requeue")
+from tests.unit.test_scheduler_group_save import Recorded
 
 
 def beat(name: str, sites: list[str] | None = None, group: str = "") -> Heartbeat:
