@@ -29,7 +29,7 @@ from torch import nn
 from fedmq.common import codec
 from fedmq.common.allowlist import AllowList, CodeNotAllowed
 from fedmq.common.codec import TensorFile, state_digest
-from fedmq.common.codec.compress import CompressionSpec, Downlink, Residual, widened, widens
+from fedmq.common.codec.compress import CompressionSpec, Downlink, Residual, encoded_nbytes, widened, widens
 from fedmq.common.codec.updates import (
     check_no_prefix,
     compress_update,
@@ -535,8 +535,7 @@ class Work:
         """The most tasks of its job, round and model trained and sent as one group: its fused
         group's limit, or as many updates as `message_bytes` of the model's tensors hold."""
         job = self._job(task.job_id, task.spec)
-        size = sum(t.numel() * t.element_size() for t in job.model.state_dict().values())
-        return max(self.group_limit(job), message_bytes // max(1, size))
+        return max(self.group_limit(job), message_bytes // max(1, encoded_nbytes(job.model.state_dict())))
 
     def group_limit(self, job: JobContext) -> int:
         """The most clients in one fused group: FEDMQ_FUSE_CLIENTS, and what fits the memory budget."""
