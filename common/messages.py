@@ -62,6 +62,11 @@ class RoundOpen(Message):
     type: Literal["round_open"] = "round_open"
     round: NonNegativeInt
     clients: list[NonNegativeInt]
+    # The aggregator closes the round itself once every client's update is stored, as the
+    # scheduler's RoundClose would (all clients, none failed, `keep` kept), and says so in the
+    # announcement of the last ones (UpdatesAccepted.closed): the scheduler then sends no RoundClose.
+    close_when_complete: bool = False
+    keep: list[str] = Field([], max_length=16)  # as RoundClose.keep: the best round's checkpoint
 
 
 class FailedClient(BaseModel):
@@ -308,6 +313,8 @@ class UpdatesAccepted(Message):
     type: Literal["updates_accepted"] = "updates_accepted"
     round: NonNegativeInt
     updates: list[UpdateAccepted] = Field(min_length=1, max_length=100_000)
+    # The round is closed with these (RoundOpen.close_when_complete): its RoundClosed comes next.
+    closed: bool = False
 
 
 CLIENT_METRICS_MAX = 64  # clients a round up to which RoundClosed carries each one's metrics
@@ -555,7 +562,7 @@ _adapter: TypeAdapter[Message] = TypeAdapter(AnyMessage)
 TENSOR_FIELDS = ("weights", "extras", "state", "delta")  # name -> tensor maps, encoded as they are
 # Fields added to a message type after its schema version: left off the wire while they hold their
 # default, so a build from before them, which refuses unknown fields, still reads the message.
-NEWER_FIELDS = {"model": b"", "downlink": "none"}
+NEWER_FIELDS = {"model": b"", "downlink": "none", "close_when_complete": False, "keep": [], "closed": False}
 
 
 def to_wire(msg: Message) -> bytes:

@@ -4,7 +4,10 @@
     GroupUpdate  ─▶ its members checked, staged (stage_group) ─▶ defer ─┤
                                  bus idle, or any other message ─▶ commit:
                                      store.commit_staged per job    (durable at once)
+                                     a round every client of which is stored now, and that its
+                                       RoundOpen lets close here: closed (close_complete)
                                      UpdateAccepted / UpdatesAccepted, one per round ─▶ scheduler
+                                       (a closed round's last: `closed`, then its RoundClosed)
                                      ack each
 
 The group commit is the inbox's (common/inbox.py): this one's save is the store and the
@@ -25,7 +28,7 @@ from fedmq.common import inbox
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus, Delivery
 from fedmq.common.errors import StateUnwritable
-from fedmq.common.messages import UpdateAccepted, UpdatesAccepted, to_wire
+from fedmq.common.messages import RoundClosed, UpdateAccepted, UpdatesAccepted, to_wire
 from fedmq.common.metrics import Metrics
 from fedmq.common.stateretry import StateRetry
 from fedmq.services.aggregator.intake import in_messages
@@ -54,6 +57,7 @@ class GroupCommit:
     def __init__(
         self, bus: Bus, metrics: Metrics, retry: StateRetry, backoff_s: float,
         process: Callable[[Delivery], None], measure: Callable[[AggJob], None],
+        close: Callable[[AggJob], RoundClosed | None] = lambda job: None,
     ) -> None:
         self.bus = bus
         self.metrics = metrics
@@ -61,6 +65,7 @@ class GroupCommit:
         self.backoff_s = backoff_s  # before a retry whose cause was not a state write
         self.process = process  # handles a delivery again after the backoff
         self.measure = measure  # a job's disk is walked again: a failed commit's files are gone
+        self.close = close  # closes a job's round whose every update is stored (None: it did not)
         self._group: inbox.GroupCommit[Staged] = inbox.GroupCommit(bus, retry, self._store, self._failed)
         self._stalled = False  # a failed state write waits for its retry
         self._backlog: deque[Delivery] = deque()  # what waits behind it, in order
@@ -96,16 +101,14 @@ class GroupCommit:
             raise
         self.metrics.updates_accepted.inc(sum(new for _, _, new in staged))
         by_round: dict[tuple[str, int], list[UpdateAccepted]] = {}
-        for _, replies, _ in staged:
+        for job, replies, _ in staged:
             for reply in replies:
                 by_round.setdefault((reply.job_id, reply.round), []).append(reply)
+                if reply.round == job.open_round:
+                    job.arrived.add(reply.client)
         try:
-            self.bus.publish_all([
-                (topology.SCHEDULER, to_wire(replies[0] if len(replies) == 1 else
-                                             UpdatesAccepted(job_id=job_id, round=rnd, updates=replies)))
-                for (job_id, rnd), kept in by_round.items()
-                for replies in in_messages(kept)
-            ])
+            closes = {(job.job_id, job.open_round): self.close(job) for job in jobs if job.complete()}
+            self.bus.publish_all([(topology.SCHEDULER, body) for body in _announced(by_round, closes)])
         except Exception as exc:
             raise _Unannounced(exc, sum(len(replies) for _, replies, _ in staged)) from exc
 
@@ -150,3 +153,22 @@ class GroupCommit:
                     raise  # the connection is gone: the bus connects again, the broker gives them back
                 log.exception("handler_crashed", queue=delivery.queue)
                 delivery.reject(f"handler_error: {type(exc).__name__}")
+
+
+def _announced(
+    by_round: dict[tuple[str, int], list[UpdateAccepted]],
+    closes: dict[tuple[str, int | None], RoundClosed | None],
+) -> list[bytes]:
+    """Each round's announcements, then the RoundClosed of a round closed with them: the last
+    announcement before it says so (UpdatesAccepted.closed), so the scheduler sends no RoundClose."""
+    messages = []
+    for key, kept in by_round.items():
+        parts = in_messages(kept)
+        ended = closes.get(key)
+        for at, replies in enumerate(parts):
+            last = ended is not None and at == len(parts) - 1
+            messages.append(to_wire(replies[0] if len(replies) == 1 and not last else UpdatesAccepted(
+                job_id=key[0], round=key[1], updates=replies, closed=last)))
+    # After every announcement: a round closed without one in this commit (all stored before) too.
+    messages.extend(to_wire(ended) for ended in closes.values() if ended is not None)
+    return messages

@@ -44,6 +44,11 @@ class AggJob:
     round: int = 0
     open_round: int | None = None
     expected: set[int] = field(default_factory=set)
+    # RoundOpen's close_when_complete and keep: the round closes here once `arrived` holds every
+    # expected client (the updates stored through the group commit, or stored when it opened).
+    close_when_complete: bool = False
+    keep: list[str] = field(default_factory=list)
+    arrived: set[int] = field(default_factory=set)
     last_closed: RoundClosed | None = None  # re-sent when its trigger is redelivered
     server_data: Any = None  # the Task's server evaluation data, loaded on first use
     server_data_loaded: bool = False
@@ -57,6 +62,11 @@ class AggJob:
     # in-process engine gives stores of its own that it writes to disk with its checkpoints.
     client_store: ClientStore | None = None
     residual_store: ClientStore | None = None
+
+    def complete(self) -> bool:
+        """Whether the open round closes here now: asked to, and every client's update stored."""
+        return (self.open_round is not None and self.close_when_complete and bool(self.expected)
+                and self.expected <= self.arrived and self.failed is None and self.stopped is None)
 
     @property
     def job_id(self) -> str:
@@ -115,6 +125,8 @@ def restore_job(
     opened = store.load_json("open")
     if opened is not None and opened["round"] == latest + 1:
         job.open_round, job.expected = opened["round"], set(opened["clients"])
+        job.close_when_complete, job.keep = bool(opened.get("close")), list(opened.get("keep", []))
+        job.arrived = set(store.stored_clients(job.open_round))
     job.examples = {int(c): int(n) for c, n in (store.load_json("examples") or {}).items()}
     closed = store.load_json("closed")
     if closed is not None and closed["round"] == latest:

@@ -53,6 +53,7 @@ from fedmq.common.messages import (
     PUSHED_MODEL_MAX,
     ClientUpdate,
     DdpModel,
+    FailedClient,
     GroupUpdate,
     JobCreate,
     JobFailed,
@@ -106,7 +107,8 @@ class AggregatorService:
         self.failures = JobFailures(self.jobs, self.metrics, self._publish)
         self.intake = Intake(self.pruner, self.metrics)
         self.commits = GroupCommit(bus, self.metrics, self.retry, settings.retry_initial_s,
-                                   process=self._process, measure=self.pruner.measure)
+                                   process=self._process, measure=self.pruner.measure,
+                                   close=self.close_complete)
         # A message whose state write failed keeps its place: the queue waits behind it (commit.py).
         self.inbox = Inbox(self.senders, settings.max_message_bytes, decode=self._decode,
                            refused=self._count_refused, service="aggregator", retry=self.retry,
@@ -234,9 +236,12 @@ class AggregatorService:
         job = self._job(msg.job_id)
         if msg.round != job.round + 1:
             raise ValidationError("stale_round", f"round {msg.round} opened after round {job.round}")
-        job.store.save_json("open", {"round": msg.round, "clients": sorted(msg.clients)})
+        job.store.save_json("open", {"round": msg.round, "clients": sorted(msg.clients),
+                                     "close": msg.close_when_complete, "keep": msg.keep})
         job.open_round, job.expected = msg.round, set(msg.clients)
+        job.close_when_complete, job.keep = msg.close_when_complete, list(msg.keep)
         self.intake.adopt_early(job, msg.round)
+        job.arrived = set(job.store.stored_clients(msg.round))
         # Announced here, not on arrival; again if this RoundOpen is redelivered (counted once).
         for reply in stored(job, msg.round):
             self._publish(reply)
@@ -251,6 +256,8 @@ class AggregatorService:
         announces it. So is a large one, received into a spool file, on its own.
         """
         job = self._job(msg.job_id)
+        if self._folded(job, msg.round, [msg.client]):
+            return None
         kind = self.admission.admit(job, msg, delivery.user_id)
         size = _size(delivery)
         if kind != "early" and delivery.body_path is None:
@@ -279,6 +286,8 @@ class AggregatorService:
         accept_update's). A member refused: it is counted and logged, the others are kept as single
         updates (a kept group file has no refused rows). All refused: the message is dead-lettered."""
         job = self._job(msg.job_id)
+        if self._folded(job, msg.round, [member.client for member in msg.members]):
+            return None
         updates, admitted = self.admission.admit_group(job, msg, delivery.user_id)
         whole = len(admitted) == len(updates) and all(kind != "early" for _, kind in admitted)
         if whole and delivery.body_path is None:
@@ -301,27 +310,70 @@ class AggregatorService:
             return
         if job.open_round != msg.round:
             raise ValidationError("stale_round", f"round {msg.round} is not open")
-        self.pruner.disk(job).need(model_bytes(job.weights), f"round {msg.round}'s checkpoint")
+        self._publish(self._close(job, msg.round, msg.clients, msg.failed, msg.keep))
+
+    def _close(
+        self, job: AggJob, server_round: int, clients: list[int], failed: list[FailedClient], keep: list[str]
+    ) -> RoundClosed:
+        """Fold the round's updates into a committed new model; the RoundClosed that says so."""
+        self.pruner.disk(job).need(model_bytes(job.weights), f"round {server_round}'s checkpoint")
         try:
-            closed = close_round(job, msg.round, msg.clients, msg.failed, self.settings.data_dir)
+            closed = close_round(job, server_round, clients, failed, self.settings.data_dir)
         except BaseException:
             rewind(job)  # the model and strategy back to the last committed round
             job.unpruned = True  # its checkpoint may be on disk, never committed
             raise
         self.models.forget(job.job_id)
-        self._report(closed)
-        job.store.drop_updates(msg.round)
-        self.pruner.prune(job, msg.keep)
+        job.store.drop_updates(server_round)
+        self.pruner.prune(job, keep)
+        return self._closed(closed)
+
+    def close_complete(self, job: AggJob) -> RoundClosed | None:
+        """Close the job's open round now that every client's update is stored (RoundOpen's
+        close_when_complete), as the scheduler's RoundClose would: its RoundClosed, to be announced
+        after those updates (commit.GroupCommit). None: not closed here. Its user code failed or it
+        passed a limit (the job is over, JobFailed sent), or the close failed otherwise (a disk
+        full, logged): the scheduler, told of the updates, sends the RoundClose that tries again."""
+        server_round = job.open_round
+        assert server_round is not None
+        with structlog.contextvars.bound_contextvars(job=job.job_id, round=server_round):
+            try:
+                return self._close(job, server_round, sorted(job.expected), [], job.keep)
+            except UserCodeError as exc:
+                self.failures.user_code(job.job_id, exc, server_round)
+            except OverLimit as exc:
+                self.failures.over_limit(job.job_id, exc)
+            except Exception as exc:
+                log.warning("round_close_deferred", error=repr(exc)[:300])
+        return None
+
+    def _folded(self, job: AggJob, server_round: int, clients: list[int]) -> bool:
+        """Whether these clients' update for `server_round` was folded into the round closed last,
+        with no round open since: a redelivered update that may have closed the round itself
+        (RoundOpen's close_when_complete) before the announcement saying so went out (a crash, a
+        failed publish). Its RoundClosed goes again; the update changes nothing."""
+        closed = job.last_closed
+        if (job.open_round is not None or closed is None or closed.round != server_round
+                or not set(clients) <= set(closed.clients)):
+            return False
+        log.info("update_folded_already", clients=len(clients))
+        self._resend_closed(job, server_round)
+        return True
 
     # -- replies --------------------------------------------------------------
 
-    def _report(self, closed: RoundClosed) -> None:
-        """Tell the scheduler the round is closed (its record is on disk already)."""
+    def _closed(self, closed: RoundClosed) -> RoundClosed:
+        """A closed round (its record on disk already) as the scheduler hears of it: counted,
+        logged, with the model when it is pushed."""
         self.metrics.round_metrics(closed.job_id, closed.metrics)
-        self._publish(self._with_model(closed))
         shown = {f"{src}_{name}": round(v, 4) for src, m in closed.metrics.items() for name, v in m.items()}
         log.info("round_closed", clients=len(closed.clients), seconds=round(closed.aggregate_seconds, 4),
                  **shown)
+        return self._with_model(closed)
+
+    def _report(self, closed: RoundClosed) -> None:
+        """Tell the scheduler the round is closed (its record is on disk already)."""
+        self._publish(self._closed(closed))
 
     def _resend_closed(self, job: AggJob, server_round: int) -> None:
         if job.last_closed is not None and job.last_closed.round == server_round:

@@ -49,8 +49,13 @@ class EvaluationLoop:
             log.info("round_closed_duplicate", closed=msg.round)
             return
         if job.state is not None and job.state.round == msg.round and not job.state.closing:
-            log.warning("round_closed_unasked", closed=msg.round)  # not ours to take: wait for quorum
-            return
+            if sorted(msg.clients) != sorted(job.state.clients):
+                log.warning("round_closed_unasked", closed=msg.round)  # not ours to take: wait for quorum
+                return
+            # Every client folded: the aggregator closed the round itself (RoundOpen's
+            # close_when_complete), and the announcement saying so was lost (it crashed, or its
+            # publish failed, and the update that closed it came again). The close we would ask for.
+            self.rounds.closed_by_aggregator(job)
         if self._recorded(job, msg.round):
             return
         state = job.state

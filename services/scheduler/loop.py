@@ -70,7 +70,8 @@ class RoundLoop:
         handled again (the aggregator and learners take the repeats as duplicates)."""
         spec = job.spec
         clients = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
-        opening = RoundOpen(job_id=job.job_id, round=server_round, clients=clients)
+        opening = RoundOpen(job_id=job.job_id, round=server_round, clients=clients,
+                            close_when_complete=True, keep=kept_checkpoints(job))
         unserved = self._dispatch(job, server_round, clients, first=(topology.AGGREGATOR, to_wire(opening)),
                                   to_holders=True)
         job.round, job.sync = server_round, {}
@@ -274,6 +275,17 @@ class RoundLoop:
                 f"round {state.round}: {nobody}{len(state.reported)} of {len(state.clients)} clients "
                 f"reported, quorum is {state.quorum}; failures: {reasons or 'timeouts'}"
             ))
+
+    def closed_by_aggregator(self, job: SchedJob) -> None:
+        """The aggregator closed the round itself, every client's update stored (RoundOpen's
+        close_when_complete): the close `advance` would ask for. Its RoundClosed comes next; no
+        RoundClose is sent (a restart before it comes sends one: the aggregator answers it again)."""
+        state = job.state
+        assert state is not None
+        log.info("round_closing", reported=len(state.reported), sampled=len(state.clients),
+                 failed=len(state.failed), by="aggregator")
+        state.closing = True
+        cancel_timers(job)
 
     def arm_start(self, job: SchedJob) -> None:
         """No job waits for its first round longer than the start deadline, whatever holds it up."""

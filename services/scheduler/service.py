@@ -241,7 +241,10 @@ class SchedulerService:
                 # Even when every client was counted already: this message may be one redelivered
                 # because the RoundClose it led to was not confirmed (the broker closed the connection).
                 if job.state is not None and job.state.round == msg.round and not job.state.closing:
-                    self.rounds.advance(job)
+                    if isinstance(msg, UpdatesAccepted) and msg.closed:
+                        self.rounds.closed_by_aggregator(job)
+                    else:
+                        self.rounds.advance(job)
             case EvalReport():
                 self.evaluation.eval_report(job, msg)
             case ClientFailure() if msg.error is not None and fails_job(msg, job.spec.clients.on_error):

@@ -1,0 +1,97 @@
+"""A round the aggregator closes itself: every client's update stored, and the RoundOpen let it.
+
+The scheduler's RoundClose would name every client and no failure; the aggregator folds the same
+updates the same way, so the model is the same bits. The announcement of the last updates says the
+round is closed (UpdatesAccepted.closed) and its RoundClosed follows in the same publish. An update
+of that round that comes again (its ack lost with a crash or a failed publish) brings the
+RoundClosed again and changes nothing.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import torch
+
+from fedmq.common.messages import JobCreate, Message, RoundClose, RoundClosed, RoundOpen, UpdatesAccepted
+from tests.integration.conftest import Transport
+from tests.integration.test_group_commit import CLIENTS, Cluster, announced, replies_until_closed
+
+QUIET = 0.5  # how long the stand-in scheduler listens for a RoundClosed that must not come
+
+
+def opened_to_close_itself(cluster: Cluster) -> tuple[str, dict[str, torch.Tensor]]:
+    """As Cluster.open_round_one, the RoundOpen letting the aggregator close the round."""
+    cluster.send(JobCreate(job_id=cluster.job_id, spec=cluster.spec.model_dump(mode="json")))
+    created = cluster.reply()
+    assert isinstance(created, RoundClosed) and created.round == 0, created
+    cluster.send(RoundOpen(job_id=cluster.job_id, round=1, clients=CLIENTS, close_when_complete=True))
+    return created.model_digest, dict(cluster.aggregator.jobs[cluster.job_id].weights)
+
+
+def nothing_more(cluster: Cluster) -> Message | None:
+    try:
+        return cluster.replies.get(timeout=QUIET)
+    except queue.Empty:
+        return None
+
+
+def test_the_last_update_closes_the_round_as_the_scheduler_would(transport: Transport) -> None:
+    with Cluster(transport).running() as cluster:
+        digest, weights = cluster.open_round_one()  # opened without close_when_complete
+        cluster.while_busy(lambda: cluster.send(*cluster.updates(digest, weights)))
+        assert announced(cluster.reply()) == CLIENTS
+        assert nothing_more(cluster) is None, "closed without being asked"
+        cluster.send(RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS))
+        asked = cluster.reply()
+        assert isinstance(asked, RoundClosed)
+
+    cluster = Cluster(transport)
+    cluster.job_id = "closes-itself"
+    with cluster.running():
+        digest, weights = opened_to_close_itself(cluster)
+        updates = cluster.updates(digest, weights)
+        cluster.send(*updates[:2])
+        cluster.while_busy(lambda: cluster.send(*updates[2:]))
+        replies = []
+        while not isinstance(reply := cluster.reply(), RoundClosed):
+            replies.append(reply)
+        assert sorted(c for r in replies for c in announced(r)) == CLIENTS
+        last = replies[-1]
+        assert isinstance(last, UpdatesAccepted) and last.closed, last
+        assert not any(getattr(r, "closed", False) for r in replies[:-1])
+        assert reply.round == 1 and reply.clients == CLIENTS
+        assert reply.model_digest == asked.model_digest, "the same close, the same bits"
+        assert not (cluster.aggregator.root / cluster.job_id / "updates" / "r1").exists()
+    assert transport.dead() == []
+
+
+def test_an_update_of_a_round_it_closed_brings_the_round_closed_again(transport: Transport) -> None:
+    with Cluster(transport).running() as cluster:
+        digest, weights = opened_to_close_itself(cluster)
+        updates = cluster.updates(digest, weights)
+        cluster.send(*updates)
+        clients, closed = replies_until_closed(cluster)
+        assert sorted(clients) == CLIENTS
+        # Its ack lost: the broker gives it again after the close.
+        cluster.send(updates[3])
+        again = cluster.reply()
+        assert isinstance(again, RoundClosed) and again.model_digest == closed.model_digest
+        assert again.round == 1
+        job = cluster.aggregator.jobs[cluster.job_id]
+        assert job.round == 1 and job.open_round is None
+    assert transport.dead() == [], "acked: it was folded, not refused as stale"
+
+
+def test_a_round_missing_a_client_waits_for_the_scheduler(transport: Transport) -> None:
+    with Cluster(transport).running() as cluster:
+        digest, weights = opened_to_close_itself(cluster)
+        updates = cluster.updates(digest, weights)
+        cluster.while_busy(lambda: cluster.send(*updates[:-1]))
+        first = cluster.reply()
+        assert announced(first) == CLIENTS[:-1] and not getattr(first, "closed", False)
+        assert nothing_more(cluster) is None, "closed before every client"
+        cluster.send(RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS[:-1]))
+        closed = cluster.reply()
+        assert isinstance(closed, RoundClosed) and closed.clients == CLIENTS[:-1]
+    assert transport.dead() == []
