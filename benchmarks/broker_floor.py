@@ -16,8 +16,15 @@ Queues are quorum queues, as fedmq's work queues are. A second variant plays the
 fedmq batched tasks and pushed small models: one message a task, and each learner fetching the
 model once a round (a persistent request to the model queue, a 20 kB reply on its own queue).
 
+A third variant adds the work the plain loop does, placed as fedmq places it, still with no code
+of fedmq's services: each learner trains its clients of the digits job (the plain loop's own
+training, `tests/reference.py`, one SGD step each) before it sends their updates, and the
+aggregator averages ten models' worth of tensors and writes one fsynced file a round, as any
+durable commit must. What it adds to the first variant is what 2 cores shared by six processes
+make of the plain loop's work: no fedmq round on this machine is faster than it.
+
 Prints one JSON object: the steady round's median (and p90) in seconds for each variant.
-`round_overhead.py` runs the first beside fedmq's own round, in the same run.
+`round_overhead.py` runs the first and the third beside fedmq's own round, in the same run.
 
 Usage: python benchmarks/broker_floor.py [--clients 10] [--learners 3] [--rounds 40]
 """
@@ -27,12 +34,20 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import shutil
 import statistics
+import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pika
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the plain loop (tests/reference.py) and the digits Task, for `train`
 
 URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
@@ -46,7 +61,39 @@ def _connect(url: str) -> pika.BlockingConnection:
     return pika.BlockingConnection(pika.URLParameters(url))
 
 
-def _learner(url: str, q: dict[str, str], fetch: bool, prefetch: int) -> None:
+def _digits(clients: int) -> tuple[Any, Any, dict[int, Any]]:
+    """The digits job's spec (1 SGD step a client), its model, and each client's training data."""
+    import torch
+
+    from fedmq.common.jobspec import load_job
+    from fedmq.common.task.runtime import TaskRuntime
+
+    torch.set_num_threads(1)  # as fedmq's services run
+    spec = load_job(REPO / "examples" / "digits.yaml", {
+        "train.max_steps": 1, "clients.total": clients, "clients.per_round": clients,
+        "clients.min_fit": clients,
+    })
+    task = TaskRuntime.for_job(spec)
+    return spec, task.build_model(), {k: task.load_data(k, None).train for k in range(clients)}
+
+
+def _train(trained: tuple[Any, Any, dict[int, Any]], server_round: int, first: int, count: int) -> None:
+    """The plain loop's training of clients first .. first + count - 1 from the global weights."""
+    from fedmq.common.seeding import torch_generator
+    from tests.reference import client_update
+
+    spec, model, data = trained
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    for client in range(first, first + count):
+        model.load_state_dict(start)
+        x, y = data[client]
+        client_update(model, x, y, spec.train, torch_generator(spec.seed, "train", server_round, client))
+        _ = {k: v.clone() for k, v in model.state_dict().items()}  # the update's copy, as the loop keeps
+    model.load_state_dict(start)
+
+
+def _learner(url: str, q: dict[str, str], fetch: bool, prefetch: int, clients: int, train: bool) -> None:
+    trained = _digits(clients) if train else None
     conn = _connect(url)
     ch = conn.channel()
     ch.confirm_delivery()
@@ -66,6 +113,8 @@ def _learner(url: str, q: dict[str, str], fetch: bool, prefetch: int) -> None:
                     break
             fetched.add(server_round)
         count = body[8:16]  # the message's clients: their updates go as one message
+        if trained is not None:
+            _train(trained, int(server_round), int(body[16:24]), int(count))
         ch.basic_publish("", q["aggregator"], b"U" + server_round + count + UPDATE * int(count), PERSISTENT)
         ch.basic_ack(method.delivery_tag)
 
@@ -73,7 +122,8 @@ def _learner(url: str, q: dict[str, str], fetch: bool, prefetch: int) -> None:
     ch.start_consuming()
 
 
-def _aggregator(url: str, q: dict[str, str], clients: int) -> None:
+def _aggregator(url: str, q: dict[str, str], clients: int, train: bool, folder: str) -> None:
+    model = _digits(clients)[1] if train else None
     conn = _connect(url)
     ch = conn.channel()
     ch.confirm_delivery()
@@ -92,12 +142,30 @@ def _aggregator(url: str, q: dict[str, str], clients: int) -> None:
             server_round = body[1:9]
             counted[server_round] = counted.get(server_round, 0) + int(body[9:17])
             if counted[server_round] == clients:
+                if model is not None:
+                    _commit(model, clients, folder)
                 ch.basic_publish("", q["scheduler"], b"C" + server_round, PERSISTENT)
         ch.basic_ack(method.delivery_tag)
 
     models.basic_consume(q["model"], on_get)
     ch.basic_consume(q["aggregator"], on_message)
     ch.start_consuming()
+
+
+def _commit(model: Any, clients: int, folder: str) -> None:
+    """A round's fold and commit at their least: the mean of `clients` models' tensors, written to
+    one file and fsynced before the round is announced."""
+    import torch
+
+    state = model.state_dict()
+    mean = {name: torch.stack([t] * clients).mean(0) for name, t in state.items()}
+    path = f"{folder}/checkpoint"
+    with open(path + ".tmp", "wb") as f:
+        for tensor in mean.values():
+            f.write(tensor.numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 
 
 def _scheduler(
@@ -115,7 +183,7 @@ def _scheduler(
         ch.basic_publish("", q["aggregator"], b"O" + key, PERSISTENT)
         for first in range(0, clients, batch):
             count = b"%08d" % (min(first + batch, clients) - first)
-            ch.basic_publish("", q["tasks"], key + count + task, PERSISTENT)
+            ch.basic_publish("", q["tasks"], key + count + b"%08d" % first + task, PERSISTENT)
         ch.tx_commit()
 
     def on_closed(_ch: Any, method: Any, _props: Any, _body: bytes) -> None:
@@ -136,10 +204,11 @@ def _scheduler(
 
 def floor(
     url: str, clients: int, learners: int, rounds: int, *, fetch: bool = False, prefetch: int = 1,
-    batch: int | None = None,
+    batch: int | None = None, train: bool = False,
 ) -> dict[str, float]:
     """The steady round of the pattern on fresh quorum queues, in seconds: median and p90. `batch`:
-    tasks a message (None: each learner's share, as fedmq's scheduler sends them)."""
+    tasks a message (None: each learner's share, as fedmq's scheduler sends them); `train`: with
+    the plain loop's work (the module's docstring)."""
     batch = batch or -(-clients // learners)
     prefix = f"bench.floor.{uuid.uuid4().hex[:8]}"
     q = {role: f"{prefix}.{role}" for role in ("scheduler", "aggregator", "tasks", "model")}
@@ -148,13 +217,14 @@ def floor(
     for name in q.values():
         ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
     out: Any = mp.Queue()
-    procs = [mp.Process(target=_learner, args=(url, q, fetch, prefetch), daemon=True)
+    folder = tempfile.mkdtemp(prefix="fedmq-floor-")
+    procs = [mp.Process(target=_learner, args=(url, q, fetch, prefetch, clients, train), daemon=True)
              for _ in range(learners)]
-    procs.append(mp.Process(target=_aggregator, args=(url, q, clients), daemon=True))
+    procs.append(mp.Process(target=_aggregator, args=(url, q, clients, train, folder), daemon=True))
     try:
         for proc in procs:
             proc.start()
-        time.sleep(1.0)  # every consumer in place before the first round
+        time.sleep(3.0 if train else 1.0)  # every consumer in place (torch imported) before the first round
         scheduler = mp.Process(target=_scheduler, args=(url, q, clients, rounds, out, batch, fetch),
                                daemon=True)
         scheduler.start()
@@ -166,6 +236,7 @@ def floor(
         for name in q.values():
             ch.queue_delete(name)
         conn.close()
+        shutil.rmtree(folder, ignore_errors=True)
     return {"round_s_median": round(statistics.median(rounds_s), 4),
             "round_s_p90": round(rounds_s[int(0.9 * (len(rounds_s) - 1))], 4)}
 
@@ -182,6 +253,7 @@ def main() -> None:
     report = {
         "clients_per_round": args.clients, "learners": args.learners,
         "fedmq_pattern": floor(args.url, args.clients, args.learners, args.rounds),
+        "fedmq_pattern_trained": floor(args.url, args.clients, args.learners, args.rounds, train=True),
         "one_task_a_message_fetched": floor(
             args.url, args.clients, args.learners, args.rounds, fetch=True, batch=1
         ),

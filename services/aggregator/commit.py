@@ -58,6 +58,7 @@ class GroupCommit:
         self, bus: Bus, metrics: Metrics, retry: StateRetry, backoff_s: float,
         process: Callable[[Delivery], None], measure: Callable[[AggJob], None],
         close: Callable[[AggJob], RoundClosed | None] = lambda job: None,
+        tidy: Callable[[AggJob], None] = lambda job: None,
     ) -> None:
         self.bus = bus
         self.metrics = metrics
@@ -66,6 +67,7 @@ class GroupCommit:
         self.process = process  # handles a delivery again after the backoff
         self.measure = measure  # a job's disk is walked again: a failed commit's files are gone
         self.close = close  # closes a job's round whose every update is stored (None: it did not)
+        self.tidy = tidy  # a closed round's files, once its RoundClosed is sent
         self._group: inbox.GroupCommit[Staged] = inbox.GroupCommit(bus, retry, self._store, self._failed)
         self._stalled = False  # a failed state write waits for its retry
         self._backlog: deque[Delivery] = deque()  # what waits behind it, in order
@@ -106,11 +108,19 @@ class GroupCommit:
                 by_round.setdefault((reply.job_id, reply.round), []).append(reply)
                 if reply.round == job.open_round:
                     job.arrived.add(reply.client)
+        closed: list[AggJob] = []
         try:
             closes = {(job.job_id, job.open_round): self.close(job) for job in jobs if job.complete()}
+            closed = [job for job in jobs if closes.get((job.job_id, job.round)) is not None]
             self.bus.publish_all([(topology.SCHEDULER, body) for body in _announced(by_round, closes)])
         except Exception as exc:
             raise _Unannounced(exc, sum(len(replies) for _, replies, _ in staged)) from exc
+        finally:  # committed rounds, announced or not: their updates are folded for good
+            for job in closed:
+                try:
+                    self.tidy(job)
+                except Exception as exc:  # its files stay on disk, its close stands: logged
+                    log.warning("round_tidy_failed", job=job.job_id, error=repr(exc)[:300])
 
     def _failed(self, exc: Exception, waiting: list[Delivery]) -> None:
         """The group's save failed: what it leaves unacked waits for a retry (the queue stalls)."""

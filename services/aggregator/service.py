@@ -108,7 +108,7 @@ class AggregatorService:
         self.intake = Intake(self.pruner, self.metrics)
         self.commits = GroupCommit(bus, self.metrics, self.retry, settings.retry_initial_s,
                                    process=self._process, measure=self.pruner.measure,
-                                   close=self.close_complete)
+                                   close=self.close_complete, tidy=self.tidy)
         # A message whose state write failed keeps its place: the queue waits behind it (commit.py).
         self.inbox = Inbox(self.senders, settings.max_message_bytes, decode=self._decode,
                            refused=self._count_refused, service="aggregator", retry=self.retry,
@@ -134,6 +134,10 @@ class AggregatorService:
                 continue
             self.jobs[job.job_id] = job
             log.info("job_resumed", job=job.job_id, round=job.round, open_round=job.open_round)
+            # Its last close again: one this aggregator made itself (RoundOpen.close_when_complete)
+            # may never have reached the scheduler, whose RoundClose would ask for it again, and
+            # on the in-memory bus the update that closed it is gone. A scheduler past it ignores it.
+            self.bus.call_soon(functools.partial(self._resend_closed, job, job.round))
         # Read early: a large update is taken while its learner sends it (the aggregator consumes
         # its queue alone), so that its time on the bus is the learner's, not then the aggregator's.
         self.bus.consume(topology.AGGREGATOR, self.on_message, prefetch=PREFETCH, spool=self.root / "spool",
@@ -310,12 +314,14 @@ class AggregatorService:
             return
         if job.open_round != msg.round:
             raise ValidationError("stale_round", f"round {msg.round} is not open")
-        self._publish(self._close(job, msg.round, msg.clients, msg.failed, msg.keep))
+        self._publish(self._close(job, msg.round, msg.clients, msg.failed))
+        self.tidy(job, msg.keep)
 
     def _close(
-        self, job: AggJob, server_round: int, clients: list[int], failed: list[FailedClient], keep: list[str]
+        self, job: AggJob, server_round: int, clients: list[int], failed: list[FailedClient]
     ) -> RoundClosed:
-        """Fold the round's updates into a committed new model; the RoundClosed that says so."""
+        """Fold the round's updates into a committed new model; the RoundClosed that says so (`tidy`
+        then, once it is sent: the scheduler waits for it, not for the files going)."""
         self.pruner.disk(job).need(model_bytes(job.weights), f"round {server_round}'s checkpoint")
         try:
             closed = close_round(job, server_round, clients, failed, self.settings.data_dir)
@@ -324,9 +330,13 @@ class AggregatorService:
             job.unpruned = True  # its checkpoint may be on disk, never committed
             raise
         self.models.forget(job.job_id)
-        job.store.drop_updates(server_round)
-        self.pruner.prune(job, keep)
         return self._closed(closed)
+
+    def tidy(self, job: AggJob, keep: list[str] | None = None) -> None:
+        """After a round's close is sent: its updates' files go, and old checkpoints but the
+        current one and `keep` (RoundClose.keep; by default the RoundOpen's)."""
+        job.store.drop_updates(job.round)
+        self.pruner.prune(job, job.keep if keep is None else keep)
 
     def close_complete(self, job: AggJob) -> RoundClosed | None:
         """Close the job's open round now that every client's update is stored (RoundOpen's
@@ -338,7 +348,7 @@ class AggregatorService:
         assert server_round is not None
         with structlog.contextvars.bound_contextvars(job=job.job_id, round=server_round):
             try:
-                return self._close(job, server_round, sorted(job.expected), [], job.keep)
+                return self._close(job, server_round, sorted(job.expected), [])
             except UserCodeError as exc:
                 self.failures.user_code(job.job_id, exc, server_round)
             except OverLimit as exc:

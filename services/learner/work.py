@@ -105,6 +105,7 @@ class JobContext:
     on_device: tuple[str, dict[str, torch.Tensor]] | None = None
     checked: str | None = None  # the digest of the global model last found to match this model
     plain: bool | None = None  # `_plain`, once known
+    update_bytes: int | None = None  # the model's tensors as an update encodes them, once known
 
     def load(
         self, weights: Mapping[str, torch.Tensor], server_round: int, client: int, digest: str | None = None
@@ -492,23 +493,25 @@ class Work:
         # The model's fetch is the first update's (its time and bytes), as one at a time the rest
         # would find it cached: a round's figures count each fetch once.
         fetch = [(fetched - started, fetch_bytes)] + [(0.0, 0)] * len(tasks)
-        trained_alone = False  # the model then holds the last client's weights, not the global model
+        holds_global = True  # False once a client trained alone: the model holds its weights
         alone = False  # a chunk fell back to one at a time
         for at in range(0, len(ready), limit):
             chunk = ready[at:at + limit]
             began = time.perf_counter()
-            if trained_alone:
+            if not holds_global:
                 job.load(weights, first.round, first.client, first.model_digest)
-                trained_alone = False
+                holds_global = True
             trained = job.runtime.train_group(job.model, [d for _, d, _ in chunk], [c for _, _, c in chunk])
             if trained is None:  # one at a time, as `train` does
                 if not alone:  # said once a group, not once a chunk
                     log.info("tasks_not_fused", count=len(chunk), group=len(ready))
-                trained_alone = alone = True
+                alone = True
                 for i, data, ctx in chunk:
                     try:
                         began = time.perf_counter()
-                        job.load(weights, tasks[i].round, tasks[i].client, first.model_digest)
+                        if not holds_global:  # a fusing that declined left the global weights as they were
+                            job.load(weights, tasks[i].round, tasks[i].client, first.model_digest)
+                        holds_global = False
                         state, result = job.runtime.trained(job.model, data, ctx)
                         out[i] = self._update(job, tasks[i], weights, job.trained_state(state), result,
                                               time.perf_counter() - began, *fetch[0])
@@ -535,10 +538,14 @@ class Work:
         """The most tasks of its job, round and model trained and sent as one group: its fused
         group's limit, or as many updates as `message_bytes` of the model's tensors hold."""
         job = self._job(task.job_id, task.spec)
-        return max(self.group_limit(job), message_bytes // max(1, encoded_nbytes(job.model.state_dict())))
+        if job.update_bytes is None:  # training never changes the model's tensors' sizes
+            job.update_bytes = encoded_nbytes(job.model.state_dict())
+        return max(self.group_limit(job), message_bytes // max(1, job.update_bytes))
 
     def group_limit(self, job: JobContext) -> int:
         """The most clients in one fused group: FEDMQ_FUSE_CLIENTS, and what fits the memory budget."""
+        if self.settings.fuse_clients <= 1:
+            return 1
         budget = self.settings.fuse_memory_bytes or fuse_budget(self.device)
         fits = group_size(job.model, self._train_settings(job), budget)
         return max(1, min(self.settings.fuse_clients, fits))

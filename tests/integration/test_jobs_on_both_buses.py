@@ -12,7 +12,7 @@ import pytest
 from fedmq.common.bus.base import Body
 from fedmq.common.bus.rabbitmq import RabbitBus
 from fedmq.common.checkpoint import load_state
-from fedmq.common.messages import JobEvent, RoundClose, RoundOpen, from_wire
+from fedmq.common.messages import JobEvent, RoundClosed, RoundOpen, from_wire
 from fedmq.common.settings import Settings
 from fedmq.services.cli.embedded import run_job
 from tests.conftest import EmbeddedRuns, assert_bit_identical, assert_matches_reference, shard_size, small_job
@@ -127,15 +127,16 @@ def test_a_task_missing_near_the_deadline_is_sent_again_and_the_round_keeps_ever
 
 
 @pytest.mark.rabbitmq
-@pytest.mark.parametrize("lost", [RoundOpen, RoundClose])
+@pytest.mark.parametrize(("service", "lost"), [("scheduler", RoundOpen), ("aggregator", RoundClosed)])
 def test_a_publish_the_broker_cut_off_is_made_again_when_the_message_that_led_to_it_comes_again(
-    tmp_path: Path, embedded_runs: EmbeddedRuns, lost: type[RoundOpen | RoundClose]
+    tmp_path: Path, embedded_runs: EmbeddedRuns, service: str, lost: type[RoundOpen | RoundClosed]
 ) -> None:
-    # Both found by the chaos test. RoundOpen: the scheduler recorded round 1, then lost the broker
-    # while it opened round 2; the RoundClosed that came again was taken for a duplicate and the job
-    # stalled. RoundClose: every client of round 2 was counted, then the broker closed the connection
-    # as the RoundClose went out; the update that came again was taken for a duplicate and the round
-    # waited for its deadline (600 s here: the job would not finish within the idle timeout).
+    # RoundOpen, found by the chaos test: the scheduler recorded round 1, then lost the broker while
+    # it opened round 2; the RoundClosed that came again was taken for a duplicate and the job
+    # stalled. RoundClosed: the aggregator closed round 2 itself once every update was stored, then
+    # lost the broker as the announcement and the RoundClosed went out. The update that comes again
+    # must bring the RoundClosed again (the scheduler takes it: it folds every client), else the
+    # round would wait for its deadline (600 s here: the job would not finish within the idle timeout).
     spec = small_job(rounds=3, round_timeout_s=600)
     failed: list[int] = []
 
@@ -159,7 +160,7 @@ def test_a_publish_the_broker_cut_off_is_made_again_when_the_message_that_led_to
         settings = Settings(broker_url=url, state_dir=tmp_path, log_format="json")
 
         def connect(name: str) -> RabbitBus:
-            return (LosesTheBrokerOnce if name == "scheduler" else RabbitBus)(settings, name)
+            return (LosesTheBrokerOnce if name == service else RabbitBus)(settings, name)
 
         result = run_job(spec, settings, connect=connect, idle_timeout=30)
     assert failed == [2] and result["status"] == "completed"

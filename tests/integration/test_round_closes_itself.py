@@ -46,9 +46,7 @@ def test_the_last_update_closes_the_round_as_the_scheduler_would(transport: Tran
         asked = cluster.reply()
         assert isinstance(asked, RoundClosed)
 
-    cluster = Cluster(transport)
-    cluster.job_id = "closes-itself"
-    with cluster.running():
+        cluster.job_id = "closes-itself"  # the same job again, its RoundOpen letting it close
         digest, weights = opened_to_close_itself(cluster)
         updates = cluster.updates(digest, weights)
         cluster.send(*updates[:2])
@@ -94,4 +92,19 @@ def test_a_round_missing_a_client_waits_for_the_scheduler(transport: Transport) 
         cluster.send(RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS[:-1]))
         closed = cluster.reply()
         assert isinstance(closed, RoundClosed) and closed.clients == CLIENTS[:-1]
+    assert transport.dead() == []
+
+
+def test_a_restarted_aggregator_says_its_last_close_again(transport: Transport) -> None:
+    """The scheduler may never have heard of a close the aggregator made itself (on the in-memory
+    bus, the update that would bring it again dies with the process): a start says it again."""
+    with Cluster(transport).running() as cluster:
+        digest, weights = opened_to_close_itself(cluster)
+        cluster.send(*cluster.updates(digest, weights))
+        _, closed = replies_until_closed(cluster)
+    with Cluster(transport).running() as restarted:
+        again = restarted.reply()
+        assert isinstance(again, RoundClosed)
+        assert (again.round, again.model_digest) == (1, closed.model_digest)
+        assert nothing_more(restarted) is None
     assert transport.dead() == []
