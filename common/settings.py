@@ -153,6 +153,12 @@ class Settings(BaseSettings):
         "message); 1: one message a task, as learners older than these batches read (with "
         "FEDMQ_PUSH_MODEL_BYTES=0 on the aggregator)",
     )
+    aggregator_closes_rounds: bool = Field(
+        True, description="scheduler: a round's RoundOpen lets the aggregator close the round itself the "
+        "moment every sampled client's update is stored (the RoundClose the scheduler would send, one "
+        "broker hop sooner; closes at the deadline stay the scheduler's). false: the scheduler always "
+        "sends the RoundClose, as aggregators older than this setting need",
+    )
     fuse_clients: int = Field(
         1, ge=1, description="the most clients a learner trains together in one fused group, for jobs with "
         "train.fuse (of the share of a round the scheduler sends it in one message); 1: one at a time. "

@@ -42,9 +42,7 @@ class Admission:
     def admit(self, job: AggJob, msg: ClientUpdate, user_id: str | None, finite: bool = False) -> Admitted:
         """What to do with an update: ValidationError if it is refused, else how it is kept
         (`finite`: its weights are known finite, see check_update)."""
-        if msg.client < job.spec.clients.total:  # a site's update comes from that site's users only
-            site = job.spec.clients.site(msg.client)
-            check_site_sender(site, user_id, self.settings.users_of_sites)
+        self.check_sender(job, msg.client, user_id)
         if job.open_round is None and msg.round == job.round + 1:
             if msg.client >= job.spec.clients.total:
                 raise ValidationError("unknown_client", f"client {msg.client} of {job.spec.clients.total}")
@@ -63,6 +61,12 @@ class Admission:
             raise ValidationError("stale_model", "trained on another round's weights")
         check_job_update(job, msg, finite)
         return kind
+
+    def check_sender(self, job: AggJob, client: int, user_id: str | None) -> None:
+        """ValidationError unless `user_id` may send this client's update: a site's come from
+        that site's users only."""
+        if client < job.spec.clients.total:
+            check_site_sender(job.spec.clients.site(client), user_id, self.settings.users_of_sites)
 
     def admit_group(
         self, job: AggJob, msg: GroupUpdate, user_id: str | None

@@ -108,10 +108,15 @@ class GroupCommit:
                 by_round.setdefault((reply.job_id, reply.round), []).append(reply)
                 if reply.round == job.open_round:
                     job.arrived.add(reply.client)
-        closed: list[AggJob] = []
+        closes: dict[tuple[str, int | None], RoundClosed | None] = {}
+        closed: list[AggJob] = []  # those whose close is committed, as they come
         try:
-            closes = {(job.job_id, job.open_round): self.close(job) for job in jobs if job.complete()}
-            closed = [job for job in jobs if closes.get((job.job_id, job.round)) is not None]
+            for job in jobs:
+                if job.complete():
+                    key = (job.job_id, job.open_round)
+                    closes[key] = self.close(job)
+                    if closes[key] is not None:
+                        closed.append(job)
             self.bus.publish_all([(topology.SCHEDULER, body) for body in _announced(by_round, closes)])
         except Exception as exc:
             raise _Unannounced(exc, sum(len(replies) for _, replies, _ in staged)) from exc

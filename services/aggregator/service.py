@@ -6,6 +6,8 @@ routed to the object that holds its concern.
         RoundOpen     open_round     ─▶ UpdateAccepted for updates that came before it
         ClientUpdate  accept_update  ─▶ UpdateAccepted(s) ─▶ scheduler (or kept until its RoundOpen)
         GroupUpdate   accept_group   ─▶ UpdatesAccepted: each member as if a ClientUpdate
+                      (the round's last, when its RoundOpen lets it: close_complete ─▶ the round
+                      closed here, UpdatesAccepted(closed) and RoundClosed ─▶ scheduler)
         RoundClose    close_round    ─▶ RoundClosed ─▶ scheduler
         DdpModel      store_ddp_model ─▶ DdpStored ─▶ scheduler
         each only from its senders' broker users (common/senders.py), else rejected "sender"
@@ -25,7 +27,10 @@ is acked once on disk and announced when the round opens. Updates that arrive
 together (prefetch PREFETCH) are a group commit: each is checked and written as it
 comes, then, once no more have arrived (Bus.call_when_idle) or before any other
 message is handled, all are made durable at once, announced in one message per
-round (UpdatesAccepted) and acked. A message that fails
+round (UpdatesAccepted) and acked; a round whose every update is stored then, and whose
+RoundOpen lets it, is closed before they are announced, and its RoundClosed sent with them. An
+update of the round closed last (no round open since) that comes again brings its RoundClosed again,
+and a start sends each job's: the scheduler may never have heard of a close made here. A message that fails
 decoding or validation is rejected (dead-lettered) with the reason; a duplicate
 update is acked with no effect. User code that raises (building, loading data,
 evaluating) fails the job: a JobFailed naming phase, type and message goes to
@@ -134,10 +139,12 @@ class AggregatorService:
                 continue
             self.jobs[job.job_id] = job
             log.info("job_resumed", job=job.job_id, round=job.round, open_round=job.open_round)
-            # Its last close again: one this aggregator made itself (RoundOpen.close_when_complete)
-            # may never have reached the scheduler, whose RoundClose would ask for it again, and
-            # on the in-memory bus the update that closed it is gone. A scheduler past it ignores it.
-            self.bus.call_soon(functools.partial(self._resend_closed, job, job.round))
+            # Its last close again, unless a round opened since: one this aggregator made itself
+            # (RoundOpen.close_when_complete) may never have reached the scheduler, whose RoundClose
+            # would ask for it again, and on the in-memory bus the update that closed it is gone.
+            # A scheduler past it ignores it.
+            if job.open_round is None:
+                self.bus.call_soon(functools.partial(self._resend_closed, job, job.round))
         # Read early: a large update is taken while its learner sends it (the aggregator consumes
         # its queue alone), so that its time on the bus is the learner's, not then the aggregator's.
         self.bus.consume(topology.AGGREGATOR, self.on_message, prefetch=PREFETCH, spool=self.root / "spool",
@@ -260,7 +267,7 @@ class AggregatorService:
         announces it. So is a large one, received into a spool file, on its own.
         """
         job = self._job(msg.job_id)
-        if self._folded(job, msg.round, [msg.client]):
+        if self._folded(job, msg.round, [msg.client], delivery.user_id):
             return None
         kind = self.admission.admit(job, msg, delivery.user_id)
         size = _size(delivery)
@@ -281,6 +288,7 @@ class AggregatorService:
         self.intake.keep(job, msg, kind, delivery.body_path or delivery.body, size)
         if kind != "early":
             self._publish(accepted(msg, size) if kind == "new" else accepted_again(job, msg, size))
+            job.arrived.add(msg.client)  # the round closes here when the group commit stores its last
         return None
 
     def accept_group(self, msg: GroupUpdate, delivery: Delivery) -> Handled:
@@ -290,7 +298,7 @@ class AggregatorService:
         accept_update's). A member refused: it is counted and logged, the others are kept as single
         updates (a kept group file has no refused rows). All refused: the message is dead-lettered."""
         job = self._job(msg.job_id)
-        if self._folded(job, msg.round, [member.client for member in msg.members]):
+        if self._folded(job, msg.round, [member.client for member in msg.members], delivery.user_id):
             return None
         updates, admitted = self.admission.admit_group(job, msg, delivery.user_id)
         whole = len(admitted) == len(updates) and all(kind != "early" for _, kind in admitted)
@@ -304,6 +312,8 @@ class AggregatorService:
         body = delivery.body_path or delivery.body
         for reply in self.intake.keep_group(job, msg, updates, admitted, body, _size(delivery)):
             self._publish(reply)
+            if reply.round == job.open_round:
+                job.arrived.update(update.client for update in reply.updates)
         return None
 
     def close_round(self, msg: RoundClose) -> None:
@@ -333,9 +343,10 @@ class AggregatorService:
         return self._closed(closed)
 
     def tidy(self, job: AggJob, keep: list[str] | None = None) -> None:
-        """After a round's close is sent: its updates' files go, and old checkpoints but the
+        """After a round's close is sent: the updates of every round closed go (an earlier tidy
+        that never ran, its publish failed, leaves none behind), and old checkpoints but the
         current one and `keep` (RoundClose.keep; by default the RoundOpen's)."""
-        job.store.drop_updates(job.round)
+        job.store.drop_updates_through(job.round)
         self.pruner.prune(job, job.keep if keep is None else keep)
 
     def close_complete(self, job: AggJob) -> RoundClosed | None:
@@ -357,15 +368,18 @@ class AggregatorService:
                 log.warning("round_close_deferred", error=repr(exc)[:300])
         return None
 
-    def _folded(self, job: AggJob, server_round: int, clients: list[int]) -> bool:
+    def _folded(self, job: AggJob, server_round: int, clients: list[int], user_id: str | None) -> bool:
         """Whether these clients' update for `server_round` was folded into the round closed last,
         with no round open since: a redelivered update that may have closed the round itself
         (RoundOpen's close_when_complete) before the announcement saying so went out (a crash, a
-        failed publish). Its RoundClosed goes again; the update changes nothing."""
+        failed publish). Its RoundClosed goes again; the update changes nothing. A sender who may
+        not send one of them is refused, as admission would."""
         closed = job.last_closed
         if (job.open_round is not None or closed is None or closed.round != server_round
                 or not set(clients) <= set(closed.clients)):
             return False
+        for client in clients:
+            self.admission.check_sender(job, client, user_id)
         log.info("update_folded_already", clients=len(clients))
         self._resend_closed(job, server_round)
         return True

@@ -248,6 +248,13 @@ class JobStore:
         self._groups.pop(server_round, None)
         self._group_seq.pop(server_round, None)
 
+    def drop_updates_through(self, server_round: int) -> None:
+        """drop_updates of every round up to `server_round` still on disk."""
+        folder = self.root / "updates"
+        found = [int(p.name[1:]) for p in folder.iterdir() if p.name[1:].isdigit()] if folder.is_dir() else []
+        for stored in sorted(r for r in found if r <= server_round):
+            self.drop_updates(stored)
+
     def stored_clients(self, server_round: int) -> list[int]:
         """The clients whose update for the round is stored, in order."""
         return sorted(set(_clients(self._updates(server_round))) | set(self._grouped(server_round)))

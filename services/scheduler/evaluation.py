@@ -60,6 +60,10 @@ class EvaluationLoop:
             return
         state = job.state
         if state is not None:
+            # What was folded is the round's: a client whose announcement never came (the
+            # aggregator's own close, its announcement lost), or one a deadline's RoundClose left out
+            # that the aggregator's close took first, reported.
+            state.fold_in(msg.clients)
             note_holders(job, msg.clients, state)
         job.model_digest, job.config, job.model = msg.model_digest, dict(msg.config), msg.model
         if state is None:  # round 0: the initial model

@@ -70,8 +70,9 @@ class RoundLoop:
         handled again (the aggregator and learners take the repeats as duplicates)."""
         spec = job.spec
         clients = sample_clients(spec.seed, server_round, spec.clients.total, spec.clients.sampled)
+        closes = self.ctx.settings.aggregator_closes_rounds  # else an older aggregator reads it
         opening = RoundOpen(job_id=job.job_id, round=server_round, clients=clients,
-                            close_when_complete=True, keep=kept_checkpoints(job))
+                            close_when_complete=closes, keep=kept_checkpoints(job) if closes else [])
         unserved = self._dispatch(job, server_round, clients, first=(topology.AGGREGATOR, to_wire(opening)),
                                   to_holders=True)
         job.round, job.sync = server_round, {}

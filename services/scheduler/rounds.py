@@ -48,6 +48,15 @@ class RoundState:
         self.phases.pop(client, None)
         return True
 
+    def fold_in(self, clients: list[int]) -> None:
+        """The round closed folding `clients`: each is reported (examples unknown here, 0), whatever
+        was heard of it before. Nothing else the closed round keeps changes."""
+        for client in clients:
+            if client in self.clients and client not in self.reported:
+                self.reported[client] = 0
+                self.failed.pop(client, None)
+                self.phases.pop(client, None)
+
     def record_failure(self, client: int, reason: str, phase: str = "error") -> bool:
         if self.closing or client not in self.clients or client in self.reported:
             return False

@@ -9,11 +9,17 @@ RoundClosed again and changes nothing.
 
 from __future__ import annotations
 
+import errno
 import queue
+from typing import Any
 
+import pytest
 import torch
 
+from fedmq.common.errors import StateUnwritable
 from fedmq.common.messages import JobCreate, Message, RoundClose, RoundClosed, RoundOpen, UpdatesAccepted
+from fedmq.services.aggregator import service
+from fedmq.services.aggregator.jobs import AggJob
 from tests.integration.conftest import Transport
 from tests.integration.test_group_commit import CLIENTS, Cluster, announced, replies_until_closed
 
@@ -107,4 +113,43 @@ def test_a_restarted_aggregator_says_its_last_close_again(transport: Transport) 
         assert isinstance(again, RoundClosed)
         assert (again.round, again.model_digest) == (1, closed.model_digest)
         assert nothing_more(restarted) is None
+    assert transport.dead() == []
+
+
+def test_a_round_half_stored_before_a_restart_still_closes_itself(transport: Transport) -> None:
+    with Cluster(transport).running() as cluster:
+        digest, weights = opened_to_close_itself(cluster)
+        updates = cluster.updates(digest, weights)
+        cluster.while_busy(lambda: cluster.send(*updates[:2]))
+        assert announced(cluster.reply()) == CLIENTS[:2]
+    with Cluster(transport).running() as restarted:
+        restarted.send(*updates[2:])
+        clients, closed = replies_until_closed(restarted)
+        assert set(clients) == set(CLIENTS[2:]) and closed.clients == CLIENTS
+    assert transport.dead() == []
+
+
+def test_a_close_that_fails_here_is_left_to_the_scheduler(
+    transport: Transport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = service.close_round
+    failures: list[int] = []
+
+    def full_disk_once(job: AggJob, server_round: int, *args: Any) -> RoundClosed:
+        if not failures:
+            failures.append(server_round)
+            raise StateUnwritable("checkpoint", errno.ENOSPC, "no space left on device")
+        return real(job, server_round, *args)
+
+    monkeypatch.setattr(service, "close_round", full_disk_once)
+    with Cluster(transport).running() as cluster:
+        digest, weights = opened_to_close_itself(cluster)
+        cluster.while_busy(lambda: cluster.send(*cluster.updates(digest, weights)))
+        told = cluster.reply()
+        assert announced(told) == CLIENTS and not getattr(told, "closed", False), "not closed: not said"
+        assert failures == [1] and nothing_more(cluster) is None
+        assert cluster.aggregator.jobs[cluster.job_id].open_round == 1, "the round stays open"
+        cluster.send(RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS))
+        closed = cluster.reply()
+        assert isinstance(closed, RoundClosed) and closed.clients == CLIENTS
     assert transport.dead() == []

@@ -13,7 +13,14 @@ from typing import cast
 
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Bus
-from fedmq.common.messages import RoundClose, RoundClosed, RoundOpen, UpdateAccepted, UpdatesAccepted
+from fedmq.common.messages import (
+    RoundClose,
+    RoundClosed,
+    RoundOpen,
+    UpdateAccepted,
+    UpdatesAccepted,
+    to_wire,
+)
 from fedmq.common.settings import Settings
 from fedmq.services.scheduler.jobs import SchedJob
 from fedmq.services.scheduler.service import SchedulerService
@@ -22,11 +29,11 @@ from tests.unit.test_scheduler_evaluation_timers import Clocked
 
 
 def in_round_one(tmp_path: Path) -> tuple[SchedulerService, Clocked, SchedJob]:
-    """A job whose round 1 is open, its tasks sent."""
+    """A job whose round 1 is open, its tasks sent: 3 of 4 clients sampled, a quorum of 2."""
     bus = Clocked()
     service = SchedulerService(Settings(state_dir=tmp_path), cast(Bus, bus))
     service.rows.open()
-    spec = small_job(clients__total=4, clients__per_round=3)
+    spec = small_job(clients__total=4, clients__per_round=3, clients__min_fit=2)
     job = SchedJob("j", spec, spec.model_dump(mode="json"), round=0, model_digest="d0")
     service.jobs[job.job_id] = job
     service.rounds.start_round(job, 1)
@@ -81,6 +88,37 @@ def test_a_round_closed_with_every_client_is_taken_unasked(tmp_path: Path) -> No
     service._handle(updates(job, job.state.clients[:1]))  # the rest's announcement was lost
     service._handle(round_closed(job, job.state.clients))
     assert job.round == 2 and job.history[-1]["round"] == 1
+    record = job.history[-1]
+    assert (record["clients"], record["failed"], "failures" in record) == (3, 0, False), \
+        "the record names what was folded, not what was heard"
+
+
+def test_a_deadline_close_that_met_a_close_of_every_client_records_every_client(tmp_path: Path) -> None:
+    service, bus, job = in_round_one(tmp_path)
+    assert job.state is not None
+    service._handle(updates(job, job.state.clients[:2]))
+    job.state.deadline = 0.0  # passed, with a quorum: the scheduler closes without the third
+    service.rounds.advance(job)
+    close = to_aggregator(bus)[-1]
+    assert isinstance(close, RoundClose) and len(close.clients) == 2
+    service._handle(round_closed(job, job.state.clients))  # the aggregator had closed it with all three
+    record = job.history[-1]
+    assert (record["clients"], record["failed"]) == (3, 0)
+
+
+def test_with_the_setting_off_the_scheduler_closes_every_round(tmp_path: Path) -> None:
+    bus = Clocked()
+    service = SchedulerService(Settings(state_dir=tmp_path, aggregator_closes_rounds=False), cast(Bus, bus))
+    service.rows.open()
+    spec = small_job()
+    job = SchedJob("j", spec, spec.model_dump(mode="json"), round=0, model_digest="d0",
+                   best={"round": 0, "value": 1.0, "model_digest": "kept"})
+    service.jobs[job.job_id] = job
+    service.rounds.start_round(job, 1)
+    opened = to_aggregator(bus)[0]
+    assert isinstance(opened, RoundOpen) and not opened.close_when_complete and opened.keep == []
+    assert b"close_when_complete" not in to_wire(opened) and b"keep" not in to_wire(opened), \
+        "an aggregator from before these fields reads it"
 
 
 def test_a_round_closed_without_every_client_is_not_taken_unasked(tmp_path: Path) -> None:
