@@ -30,7 +30,8 @@ message is handled, all are made durable at once, announced in one message per
 round (UpdatesAccepted) and acked; a round whose every update is stored then, and whose
 RoundOpen lets it, is closed before they are announced, and its RoundClosed sent with them. An
 update of the round closed last (no round open since) that comes again brings its RoundClosed again,
-and a start sends each job's: the scheduler may never have heard of a close made here. A message that fails
+and so does a start, for each job with no round open: the scheduler may never have heard of a close
+made here. A message that fails
 decoding or validation is rejected (dead-lettered) with the reason; a duplicate
 update is acked with no effect. User code that raises (building, loading data,
 evaluating) fails the job: a JobFailed naming phase, type and message goes to
