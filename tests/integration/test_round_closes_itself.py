@@ -21,7 +21,7 @@ from fedmq.common.messages import JobCreate, Message, RoundClose, RoundClosed, R
 from fedmq.services.aggregator import service
 from fedmq.services.aggregator.jobs import AggJob
 from tests.integration.conftest import Transport
-from tests.integration.test_group_commit import CLIENTS, Cluster, announced, replies_until_closed
+from tests.integration.test_group_commit import CLIENTS, Cluster, announced, replies_until_closed, wait_for
 
 QUIET = 0.5  # how long the stand-in scheduler listens for a RoundClosed that must not come
 
@@ -66,7 +66,8 @@ def test_the_last_update_closes_the_round_as_the_scheduler_would(transport: Tran
         assert not any(getattr(r, "closed", False) for r in replies[:-1])
         assert reply.round == 1 and reply.clients == CLIENTS
         assert reply.model_digest == asked.model_digest, "the same close, the same bits"
-        assert not (cluster.aggregator.root / cluster.job_id / "updates" / "r1").exists()
+        folder = cluster.aggregator.root / cluster.job_id / "updates" / "r1"
+        wait_for(lambda: not folder.exists())  # dropped once the RoundClosed is out
     assert transport.dead() == []
 
 
