@@ -37,7 +37,7 @@ from fedmq.common.allowlist import AllowList
 from fedmq.common.bus import topology
 from fedmq.common.bus.base import Body, Bus, Delivery, SharedDelivery
 from fedmq.common.codec import TensorFile, state_digest
-from fedmq.common.codec.compress import Downlink
+from fedmq.common.codec.compress import Downlink, encoded_nbytes
 from fedmq.common.errors import BrokerUnavailable, FedmqError
 from fedmq.common.groups import group_of, groupable
 from fedmq.common.heap import large_buffers_unmapped
@@ -309,7 +309,7 @@ class LearnerService:
                 outcomes = [exc] * len(group)
         together = [(update, delivery) for update, (_, delivery) in zip(outcomes, group, strict=True)
                     if isinstance(update, ClientUpdate) and groupable(update)]
-        if len(together) < 2 or _stacked_bytes([u for u, _ in together]) > GROUP_MESSAGE_BYTES:
+        if len(together) < 2 or sum(encoded_nbytes(u.weights) for u, _ in together) > GROUP_MESSAGE_BYTES:
             together = []  # each goes on its own
         self._send_group(together)
         sent = {id(delivery) for _, delivery in together}
@@ -499,5 +499,3 @@ class LearnerService:
         return dict(reply.state)
 
 
-def _stacked_bytes(updates: list[ClientUpdate]) -> int:
-    return sum(t.numel() * t.element_size() for u in updates for t in u.weights.values())
