@@ -157,3 +157,84 @@ def test_a_group_commit_whose_save_has_a_bug_rejects_what_it_held_and_says_so() 
     with pytest.raises(TypeError):
         group.flush()
     assert held.settled == ["handler_error: TypeError"] and not group
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Loop:
+    """A bus's idle callbacks and timers, run when the test says."""
+
+    def __init__(self) -> None:
+        self.idle: list[Callable[[], None]] = []
+        self.timers: list[tuple[float, _Timer, Callable[[], None]]] = []
+
+    def call_when_idle(self, fn: Callable[[], None]) -> None:
+        self.idle.append(fn)
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> _Timer:
+        timer = _Timer()
+        self.timers.append((delay, timer, fn))
+        return timer
+
+    def go_idle(self) -> None:
+        callbacks, self.idle = self.idle, []
+        for fn in callbacks:
+            fn()
+
+
+def test_a_group_commit_waits_as_told_for_more_then_saves_them_all_at_once() -> None:
+    loop, saved = _Loop(), list[list[str]]()
+    group: GroupCommit[str] = GroupCommit(
+        loop, Retry(), saved.append, wait=lambda items: 0.0 if "last" in items else 0.25)  # type: ignore[arg-type]
+    a, b, last = Settled(b"", "x"), Settled(b"", "x"), Settled(b"", "x")
+    group.add(a, "a")  # type: ignore[arg-type]
+    loop.go_idle()
+    assert saved == [] and a.settled == [] and [t[0] for t in loop.timers] == [0.25], "it waits"
+    group.add(b, "b")  # type: ignore[arg-type]
+    loop.go_idle()
+    assert saved == [] and len(loop.timers) == 1, "still waiting, on the first timer"
+    group.add(last, "last")  # type: ignore[arg-type]
+    loop.go_idle()
+    assert saved == [["a", "b", "last"]] and a.settled == b.settled == last.settled == ["ack"]
+    assert loop.timers[0][1].cancelled and not group
+
+
+def test_a_group_commit_that_waited_saves_when_the_time_is_up_or_when_flushed() -> None:
+    loop, saved = _Loop(), list[list[str]]()
+    group: GroupCommit[str] = GroupCommit(loop, Retry(), saved.append, wait=lambda items: 1.0)  # type: ignore[arg-type]
+    a = Settled(b"", "x")
+    group.add(a, "a")  # type: ignore[arg-type]
+    loop.go_idle()
+    loop.timers[0][2]()  # the time is up
+    assert saved == [["a"]] and a.settled == ["ack"]
+    b = Settled(b"", "x")
+    group.add(b, "b")  # type: ignore[arg-type]
+    loop.go_idle()
+    assert group.flush() and saved == [["a"], ["b"]] and loop.timers[1][1].cancelled
+
+
+def test_a_group_commit_whose_save_failed_tries_again_after_the_backoff_without_waiting() -> None:
+    loop, retry, saved, calls = _Loop(), Retry(), list[list[str]](), list[list[str]]()
+
+    def full_once(items: list[str]) -> None:
+        calls.append(items)
+        if len(calls) == 1:
+            raise FULL
+        saved.append(items)
+
+    group: GroupCommit[str] = GroupCommit(loop, retry, full_once, wait=lambda items: 1.0)  # type: ignore[arg-type]
+    a = Settled(b"", "x")
+    group.add(a, "a")  # type: ignore[arg-type]
+    assert not group.flush() and a.settled == [] and len(retry.later_calls) == 1
+    due = len(loop.idle)
+    b = Settled(b"", "x")
+    group.add(b, "b")  # type: ignore[arg-type]
+    assert len(loop.idle) == due and loop.timers == [], "nothing more before the backoff"
+    retry.later_calls[0]()
+    assert saved == [["a", "b"]] and a.settled == b.settled == ["ack"]
