@@ -108,8 +108,10 @@ def test_a_storm_of_broker_side_closes_kills_no_service_and_changes_no_weight(tm
     rng.shuffle(plan)
     spec = chunked_job(tmp_path, rounds=14)
     deadline = time.monotonic() + BUDGET_S
+    # A commit per chunk, as test_broker_closes.py has it: an upload is ~19 broker round trips, a
+    # window the storm's closes land in (all its chunks in one commit, it is over too soon).
     with cluster(tmp_path, learners=LEARNERS, FEDMQ_FRAME_BYTES=str(FRAME_BYTES),
-                 FEDMQ_RETRY_INITIAL_S="0.2") as c:
+                 FEDMQ_BLOB_COMMIT_BYTES=str(FRAME_BYTES), FEDMQ_RETRY_INITIAL_S="0.2") as c:
         c.wait_learners(LEARNERS)
         job_id = c.fedmq("submit", str(spec)).stdout.strip()
         closes: list[str] = []
