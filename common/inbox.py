@@ -13,9 +13,8 @@ that failed, the ack, and the group commit.
              "<reason>: <detail>" (the reason the counts use)
 
     GroupCommit: deliveries whose effects are staged ─▶ once the deliveries that arrived are handled
-    (Bus.call_when_idle), or when asked, saved at once (or, as its `wait` says, a little later with
-    those still to come) ─▶ acked together; a save the disk refused is tried again after the
-    backoff, its deliveries unacked meanwhile (or handed to `failed`)
+    (Bus.call_when_idle), or when asked, saved at once ─▶ acked together; a save the disk refused
+    is tried again after the backoff, its deliveries unacked meanwhile (or handed to `failed`)
 
 The scheduler saves its job rows that way (scheduler/service.py); the aggregator stores, announces
 and acks its updates that way, and holds its queue behind a failed write (aggregator/commit.py);
@@ -30,7 +29,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import structlog
 
-from fedmq.common.bus.base import Bus, Delivery, Timer
+from fedmq.common.bus.base import Bus, Delivery
 from fedmq.common.errors import DecodeError, StateUnwritable, ValidationError
 from fedmq.common.messages import Message, from_wire
 from fedmq.common.senders import check_sender
@@ -128,25 +127,17 @@ class GroupCommit(Generic[T]):
 
     A save that raises StateUnwritable is tried again after the retry's backoff, every delivery
     unacked meanwhile (their queue waits: prefetch); with `failed`, that one takes every exception
-    of the save instead, with the deliveries it leaves unacked.
-
-    With `wait`, the kept items may wait for more before they are saved: asked once the deliveries
-    that have arrived are handled, it gives how long (seconds; 0: saved now). They are saved when
-    that time is up, or sooner when an item comes for which it says 0, or at `flush`."""
+    of the save instead, with the deliveries it leaves unacked."""
 
     def __init__(
         self, bus: Bus, retry: StateRetry, save: Callable[[list[T]], None],
         failed: Callable[[Exception, list[Delivery]], None] | None = None,
-        wait: Callable[[list[T]], float] | None = None,
     ) -> None:
         self.bus = bus
         self.retry = retry
         self.save = save
         self.failed = failed
-        self.wait = wait
         self._pending: list[tuple[Delivery, T]] = []
-        self._holding = False  # kept items wait for more: no idle callback is due
-        self._timer: Timer | None = None  # when they stop waiting
 
     def __bool__(self) -> bool:
         """Whether deliveries wait to be saved and acked."""
@@ -154,38 +145,18 @@ class GroupCommit(Generic[T]):
 
     def add(self, delivery: Delivery, item: T) -> None:
         """Keep `delivery` until its item is saved with the others: once the deliveries that have
-        arrived are handled (or later, as `wait` says), or at the next `flush`."""
-        if not self._pending or self._holding:
-            self._holding = False
+        arrived are handled, or at the next `flush`."""
+        if not self._pending:
             self.bus.call_when_idle(self._when_idle)
         self._pending.append((delivery, item))
 
     def _when_idle(self) -> None:
-        if self._pending and self.wait is not None:
-            delay = self.wait([item for _, item in self._pending])
-            if delay > 0:
-                self._holding = True
-                if self._timer is None:
-                    self._timer = self.bus.call_later(delay, self._waited)
-                return
-        self.flush()
-
-    def _waited(self) -> None:
-        self._timer = None
-        self.flush()
-
-    def _again(self) -> None:
-        """After a failed save's backoff: tried again at once, with what came meanwhile."""
         self.flush()
 
     def flush(self, then: Delivery | None = None) -> bool:
         """Save the kept items and ack their deliveries; False if the save failed. `then`, a
         delivery that was to follow them, is handed to `failed` with them (without `failed`, the
         caller keeps it)."""
-        self._holding = False
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if not self._pending:
             return True
         pending, self._pending = self._pending, []
@@ -200,7 +171,7 @@ class GroupCommit(Generic[T]):
                     delivery.reject(f"handler_error: {type(exc).__name__}")
                 raise
             self._pending = pending + self._pending  # tried again, with what comes meanwhile
-            self.retry.later(exc, self._again)
+            self.retry.later(exc, self._when_idle)
             return False
         self.retry.succeeded()
         for delivery, _ in pending:

@@ -159,14 +159,6 @@ class Settings(BaseSettings):
         "broker hop sooner; closes at the deadline stay the scheduler's). false: the scheduler always "
         "sends the RoundClose, as aggregators older than this setting need",
     )
-    update_hold_s: float = Field(
-        0.1, ge=0, le=5, description="aggregator: how long the updates of a round it closes itself may "
-        "wait, unstored and unacked, for the rest of the round once no more have arrived: the round's "
-        "last update then stores, announces and closes them all in one commit, in place of one commit "
-        "and one announcement per learner's message. They are stored at once when the round is "
-        "complete, when 8 messages wait (the queue's prefetch), or when another kind of message comes. "
-        "0: stored as soon as the queue is idle",
-    )
     fuse_clients: int = Field(
         1, ge=1, description="the most clients a learner trains together in one fused group, for jobs with "
         "train.fuse (of the share of a round the scheduler sends it in one message); 1: one at a time. "

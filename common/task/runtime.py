@@ -177,11 +177,9 @@ class TaskRuntime:
 
         Each client's weights (on the CPU, in state_dict order) and checked result, or the
         UserCodeError that fails that client alone (its training diverged)."""
-        from fedmq.common.task.fused import can_fuse, train_fused
+        from fedmq.common.task.fused import train_fused
 
-        # Known before any data, as train_fused would find it (train.max_steps, a frozen layer...):
-        # no random state saved and forked for nothing, once a client.
-        if has_train(self.task) or not has_loss(self.task) or can_fuse(model, ctxs[0]) is not None:
+        if has_train(self.task) or not has_loss(self.task):
             return None
         streams = [ctx.generator.get_state() for ctx in ctxs]
         first = ctxs[0]

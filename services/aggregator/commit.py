@@ -3,8 +3,6 @@
     ClientUpdate ─▶ checked, staged (store.stage_update) ─▶ defer ─┐   (prefetch PREFETCH)
     GroupUpdate  ─▶ its members checked, staged (stage_group) ─▶ defer ─┤
                                  bus idle, or any other message ─▶ commit:
-                                   (idle, and a round that closes here not complete with them:
-                                    they wait up to FEDMQ_UPDATE_HOLD_S for the rest: `_wait`)
                                      store.commit_staged per job    (durable at once)
                                      a round every client of which is stored now, and that its
                                        RoundOpen lets close here: closed (close_complete)
@@ -61,7 +59,6 @@ class GroupCommit:
         process: Callable[[Delivery], None], measure: Callable[[AggJob], None],
         close: Callable[[AggJob], RoundClosed | None] = lambda job: None,
         tidy: Callable[[AggJob], None] = lambda job: None,
-        hold_s: float = 0.0,
     ) -> None:
         self.bus = bus
         self.metrics = metrics
@@ -71,9 +68,7 @@ class GroupCommit:
         self.measure = measure  # a job's disk is walked again: a failed commit's files are gone
         self.close = close  # closes a job's round whose every update is stored (None: it did not)
         self.tidy = tidy  # a closed round's files, once its RoundClosed is sent
-        self.hold_s = hold_s  # FEDMQ_UPDATE_HOLD_S: how long a round's updates wait for the rest (`_wait`)
-        self._group: inbox.GroupCommit[Staged] = inbox.GroupCommit(
-            bus, retry, self._store, self._failed, wait=self._wait)
+        self._group: inbox.GroupCommit[Staged] = inbox.GroupCommit(bus, retry, self._store, self._failed)
         self._stalled = False  # a failed state write waits for its retry
         self._backlog: deque[Delivery] = deque()  # what waits behind it, in order
 
@@ -89,25 +84,6 @@ class GroupCommit:
         together, announced in one message per round, acked together, once the deliveries that
         have arrived are handled."""
         self._group.add(delivery, (job, replies, new))
-
-    def _wait(self, staged: list[Staged]) -> float:
-        """How long the staged updates may wait for the rest of their round (seconds; 0: stored now).
-
-        They wait when each is of the open round of a job that closes that round itself and none
-        completes it: the round's last one then stores, announces and closes them all at once (one
-        commit, one transaction), where each learner's message would have had its own. Unacked
-        meanwhile, as they are until stored: a crash leaves them to the broker, nothing is lost.
-        Not when PREFETCH deliveries wait (none could come to complete the round)."""
-        if self.hold_s <= 0 or len(staged) >= PREFETCH:
-            return 0.0
-        clients: dict[int, tuple[AggJob, set[int]]] = {}
-        for job, replies, _ in staged:
-            if not job.closes_itself() or any(reply.round != job.open_round for reply in replies):
-                return 0.0
-            clients.setdefault(id(job), (job, set()))[1].update(reply.client for reply in replies)
-        if any(job.expected <= job.arrived | new for job, new in clients.values()):
-            return 0.0
-        return self.hold_s
 
     def commit(self, then: Delivery | None = None) -> bool:
         """Store, announce and ack the deferred updates. False if storing failed: then they, and

@@ -63,15 +63,10 @@ class AggJob:
     client_store: ClientStore | None = None
     residual_store: ClientStore | None = None
 
-    def closes_itself(self) -> bool:
-        """Whether the open round closes here once every client's update is stored (RoundOpen's
-        close_when_complete), the job going on."""
-        return (self.open_round is not None and self.close_when_complete and bool(self.expected)
-                and self.failed is None and self.stopped is None)
-
     def complete(self) -> bool:
         """Whether the open round closes here now: asked to, and every client's update stored."""
-        return self.closes_itself() and self.expected <= self.arrived
+        return (self.open_round is not None and self.close_when_complete and bool(self.expected)
+                and self.expected <= self.arrived and self.failed is None and self.stopped is None)
 
     @property
     def job_id(self) -> str:

@@ -114,7 +114,7 @@ class AggregatorService:
         self.intake = Intake(self.pruner, self.metrics)
         self.commits = GroupCommit(bus, self.metrics, self.retry, settings.retry_initial_s,
                                    process=self._process, measure=self.pruner.measure,
-                                   close=self.close_complete, tidy=self.tidy, hold_s=settings.update_hold_s)
+                                   close=self.close_complete, tidy=self.tidy)
         # A message whose state write failed keeps its place: the queue waits behind it (commit.py).
         self.inbox = Inbox(self.senders, settings.max_message_bytes, decode=self._decode,
                            refused=self._count_refused, service="aggregator", retry=self.retry,

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -50,10 +49,8 @@ CLIENTS = [0, 1, 2, 3, 4]
 class Cluster:
     """An aggregator on its own bus, and a stand-in scheduler that publishes and records its replies."""
 
-    def __init__(self, transport: Transport, spec: JobSpec | None = None, **overrides: Any) -> None:
-        """`overrides`: the aggregator's settings, over the transport's and the short retries here."""
-        settings = transport.settings.model_copy(
-            update={"retry_initial_s": 0.05, "state_retry_max_s": 0.2, **overrides})
+    def __init__(self, transport: Transport, spec: JobSpec | None = None) -> None:
+        settings = transport.settings.model_copy(update={"retry_initial_s": 0.05, "state_retry_max_s": 0.2})
         self.spec = spec or small_job()
         self.aggregator = AggregatorService(settings, transport.connect("aggregator"))
         self.scheduler = transport.connect("scheduler")

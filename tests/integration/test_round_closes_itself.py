@@ -4,15 +4,13 @@ The scheduler's RoundClose would name every client and no failure; the aggregato
 updates the same way, so the model is the same bits. The announcement of the last updates says the
 round is closed (UpdatesAccepted.closed) and its RoundClosed follows in the same publish. An update
 of that round that comes again (its ack lost with a crash or a failed publish) brings the
-RoundClosed again and changes nothing. Updates that come before the round is complete wait for the
-rest (FEDMQ_UPDATE_HOLD_S), unstored and unacked, and go in the last one's commit.
+RoundClosed again and changes nothing.
 """
 
 from __future__ import annotations
 
 import errno
 import queue
-import time
 from typing import Any
 
 import pytest
@@ -155,63 +153,4 @@ def test_a_close_that_fails_here_is_left_to_the_scheduler(
         cluster.send(RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS))
         closed = cluster.reply()
         assert isinstance(closed, RoundClosed) and closed.clients == CLIENTS
-    assert transport.dead() == []
-
-
-HOLD_S = 5.0  # far longer than any step below takes: what comes before it is up did not wait for it
-
-
-def test_updates_wait_for_the_rest_of_the_round_and_go_in_one_commit(transport: Transport) -> None:
-    with Cluster(transport, update_hold_s=HOLD_S).running() as cluster:
-        digest, weights = opened_to_close_itself(cluster)
-        updates = cluster.updates(digest, weights)
-        cluster.send(*updates[:2])
-        assert nothing_more(cluster) is None, "announced before the round was complete"
-        folder = cluster.aggregator.root / cluster.job_id / "updates" / "r1"
-        assert not any(folder.glob("*.msg")), "stored before the round was complete"
-        started = time.monotonic()
-        cluster.send(*updates[2:])
-        told, closed = cluster.reply(), cluster.reply()
-        assert time.monotonic() - started < HOLD_S, "the round's last update did not wait"
-        assert isinstance(told, UpdatesAccepted) and told.closed and announced(told) == CLIENTS
-        assert isinstance(closed, RoundClosed) and closed.clients == CLIENTS
-        assert nothing_more(cluster) is None
-    assert transport.dead() == []
-
-
-def test_another_message_stores_and_announces_the_updates_waiting_before_it(transport: Transport) -> None:
-    with Cluster(transport, update_hold_s=HOLD_S).running() as cluster:
-        digest, weights = opened_to_close_itself(cluster)
-        cluster.send(*cluster.updates(digest, weights)[:-1])
-        assert nothing_more(cluster) is None
-        started = time.monotonic()
-        cluster.send(RoundClose(job_id=cluster.job_id, round=1, clients=CLIENTS[:-1]))
-        told, closed = cluster.reply(), cluster.reply()
-        assert time.monotonic() - started < HOLD_S, "the RoundClose waited for the hold"
-        assert announced(told) == CLIENTS[:-1] and not getattr(told, "closed", False)
-        assert isinstance(closed, RoundClosed) and closed.clients == CLIENTS[:-1]
-    assert transport.dead() == []
-
-
-def test_updates_waiting_when_the_aggregator_stops_come_again_and_close_the_round(
-    transport: Transport,
-) -> None:
-    with Cluster(transport).running() as reference:  # the same round, nothing waiting
-        reference.job_id = "reference"
-        digest, weights = opened_to_close_itself(reference)
-        reference.send(*reference.updates(digest, weights))
-        _, expected = replies_until_closed(reference)
-    with Cluster(transport, update_hold_s=HOLD_S).running() as cluster:
-        assert cluster.reply().job_id == "reference", "a start says the last close again"
-        digest, weights = opened_to_close_itself(cluster)
-        updates = cluster.updates(digest, weights)
-        cluster.send(*updates[:2])
-        assert nothing_more(cluster) is None
-    # Unacked when it stopped: the broker gives them again to the next one.
-    with Cluster(transport, update_hold_s=HOLD_S).running() as restarted:
-        assert restarted.reply().job_id == "reference"
-        restarted.send(*updates[2:])
-        clients, closed = replies_until_closed(restarted)
-        assert sorted(clients) == CLIENTS and closed.clients == CLIENTS
-        assert closed.model_digest == expected.model_digest, "the same updates, the same bits"
     assert transport.dead() == []
