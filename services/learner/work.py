@@ -503,7 +503,7 @@ class Work:
                 holds_global = True
             trained = job.runtime.train_group(job.model, [d for _, d, _ in chunk], [c for _, _, c in chunk])
             if trained is None:  # one at a time, as `train` does
-                if not alone and limit > 1:  # said once a group, not once a chunk; when asked for
+                if not alone and self.settings.fuse_clients > 1:  # said once a group, when asked to fuse
                     log.info("tasks_not_fused", count=len(chunk), group=len(ready))
                 alone = True
                 for i, data, ctx in chunk:
