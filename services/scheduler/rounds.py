@@ -41,11 +41,9 @@ class RoundState:
         """Count a client's accepted update; False for a duplicate or a stranger."""
         if self.closing or client not in self.clients or client in self.reported:
             return False
-        self.reported[client] = num_examples
+        self._reported(client, num_examples)
         if learner and state_tag:
             self.learners[client] = (learner, state_tag)
-        self.failed.pop(client, None)
-        self.phases.pop(client, None)
         return True
 
     def fold_in(self, clients: list[int]) -> None:
@@ -53,9 +51,13 @@ class RoundState:
         was heard of it before. Nothing else the closed round keeps changes."""
         for client in clients:
             if client in self.clients and client not in self.reported:
-                self.reported[client] = 0
-                self.failed.pop(client, None)
-                self.phases.pop(client, None)
+                self._reported(client, 0)
+
+    def _reported(self, client: int, num_examples: int) -> None:
+        """`client` counted as reported: any failure heard of it before is forgotten."""
+        self.reported[client] = num_examples
+        self.failed.pop(client, None)
+        self.phases.pop(client, None)
 
     def record_failure(self, client: int, reason: str, phase: str = "error") -> bool:
         if self.closing or client not in self.clients or client in self.reported:
