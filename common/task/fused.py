@@ -34,7 +34,9 @@ group's size: the last bits may differ there.
 
 `train_fused` answers None when it cannot fuse, and the caller trains one client at a time as
 before: data that is not indexable (a DataLoader), a loss that draws random numbers (dropout),
-metrics that are not tensors or floats, SCAFFOLD's controls, or `max_steps`.
+metrics that are not tensors or floats, or SCAFFOLD's controls. `max_steps` ends each client's
+stream of batches after that many, as it ends the sequential loop: its metrics and example count are
+then those of the epoch it stopped in, as the loop's are.
 """
 
 from __future__ import annotations
@@ -79,8 +81,6 @@ class Fused:
 
 def can_fuse(model: nn.Module, ctx: TrainContext) -> str | None:
     """Why this client's training cannot be fused (None: it can), from what is known before data."""
-    if ctx.train.max_steps is not None:
-        return "train.max_steps is set"
     if SCAFFOLD in ctx.config:
         return "SCAFFOLD's controls are not fused"
     if ctx.train.optimizer not in ("sgd", "adam"):
@@ -616,8 +616,12 @@ def _stream(
     src: Source, settings: TrainSettings, generator: torch.Generator, indices: bool
 ) -> Iterator[tuple[Any, bool]]:
     """A client's batches over all its epochs, drawn as `Source.batches` draws them (with `indices`,
-    each batch's index slice instead: the same draws); True for an epoch's first batch."""
+    each batch's index slice instead: the same draws), up to `max_steps` of them (then no epoch
+    after the last batch is drawn, as the loop returns there); True for an epoch's first batch."""
+    left = settings.max_steps
     for _ in range(settings.epochs):
+        if left == 0:
+            return
         first = True
         if indices:
             assert src.size is not None
@@ -626,6 +630,10 @@ def _stream(
         else:
             batches = src.batches(settings.batch_size, generator)
         for batch in batches:
+            if left is not None:
+                if left == 0:
+                    return
+                left -= 1
             yield batch, first
             first = False
 

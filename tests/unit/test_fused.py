@@ -135,14 +135,41 @@ def test_a_fused_run_is_bit_identical_with_itself_and_leaves_the_model_alone() -
     assert not model.training, "the model's mode is as it was"
 
 
-@pytest.mark.parametrize("why", ["dropout", "dataloader", "max_steps", "scaffold", "frozen"])
+@pytest.mark.parametrize("max_steps", [1, 3, 7, 100])
+def test_max_steps_ends_each_clients_training_where_the_sequential_loop_ends_it(max_steps: int) -> None:
+    # Ragged clients over 2 epochs of batches of 8: 1 to 5 batches an epoch, so a client stops in its
+    # first epoch, at an epoch's end, in its second, or (100) runs both out. Each ends with the loop's
+    # weights (within tolerance), example count and metrics of the epoch it stopped in, and with its
+    # generator where the loop leaves it: the same batches drawn, none more.
+    task, data = Mlp(), clients()
+    model = model_for(task)
+    settings = TrainSettings(epochs=2, batch_size=8, lr=0.1, max_steps=max_steps)
+    ctxs = contexts(model, len(data), settings)
+    fused = train_fused(task, model, data, ctxs)
+    assert fused is not None
+    start = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    for i, (ctx, batch) in enumerate(zip(contexts(model, len(data), settings), data, strict=True)):
+        one = model_for(task)
+        one.load_state_dict(start)
+        result = train_with_loss(task, one, batch, ctx)
+        assert fused[i].result.num_examples == result.num_examples, i
+        for n, p in one.named_parameters():
+            gap = float((fused[i].weights[n] - p.detach()).abs().max())
+            assert gap < TOLERANCE, f"client {i} {n}: fused is {gap:.2e} from sequential"
+        assert fused[i].result.metrics.keys() == result.metrics.keys()
+        for metric, value in result.metrics.items():
+            assert fused[i].result.metrics[metric] == pytest.approx(value, abs=1e-5), (i, metric)
+        assert torch.equal(ctxs[i].generator.get_state(), ctx.generator.get_state()), f"client {i}'s draws"
+
+
+@pytest.mark.parametrize("why", ["dropout", "dataloader", "scaffold", "frozen"])
 def test_what_cannot_be_fused_answers_none_so_the_caller_trains_one_by_one(why: str) -> None:
     task = Mlp(dropout=0.5 if why == "dropout" else 0.0)
     model = model_for(task)
     if why == "frozen":
         next(model.parameters()).requires_grad_(False)
     data: list[Any] = clients()
-    settings = TrainSettings(epochs=1, batch_size=8, max_steps=2 if why == "max_steps" else None)
+    settings = TrainSettings(epochs=1, batch_size=8)
     config = {"scaffold": True} if why == "scaffold" else {}
     if why == "dataloader":
         data = [torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*d), batch_size=8) for d in data]
