@@ -160,9 +160,11 @@ class Settings(BaseSettings):
         "sends the RoundClose, as aggregators older than this setting need",
     )
     fuse_clients: int = Field(
-        1, ge=1, description="the most clients a learner trains together in one fused group, for jobs with "
-        "train.fuse (of the share of a round the scheduler sends it in one message); 1: one at a time. "
-        "`fedmq run` of a fused job: its share of a round's clients",
+        64, ge=1, description="the most clients a learner trains together in one fused group (of the share "
+        "of a round the scheduler sends it in one message), for jobs that fuse (train.fuse not false), and "
+        "fewer where fuse_memory_bytes holds fewer; 1: each client alone (through the fused kernel, as a "
+        "group of two, so its bits do not depend on its company). `fedmq run`: its share of a round's "
+        "clients",
     )
     dp_key: SecretStr | None = Field(
         None, description="learners: the secret that seeds train.dp_sgd's noise and batch order; give every "

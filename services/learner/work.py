@@ -106,6 +106,7 @@ class JobContext:
     checked: str | None = None  # the digest of the global model last found to match this model
     plain: bool | None = None  # `_plain`, once known
     update_bytes: int | None = None  # the model's tensors as an update encodes them, once known
+    said_not_fused: bool = False  # `tasks_not_fused` is logged once a job
 
     def load(
         self, weights: Mapping[str, torch.Tensor], server_round: int, client: int, digest: str | None = None
@@ -494,7 +495,6 @@ class Work:
         # would find it cached: a round's figures count each fetch once.
         fetch = [(fetched - started, fetch_bytes)] + [(0.0, 0)] * len(tasks)
         holds_global = True  # False once a client trained alone: the model holds its weights
-        alone = False  # a chunk fell back to one at a time
         for at in range(0, len(ready), limit):
             chunk = ready[at:at + limit]
             began = time.perf_counter()
@@ -503,9 +503,9 @@ class Work:
                 holds_global = True
             trained = job.runtime.train_group(job.model, [d for _, d, _ in chunk], [c for _, _, c in chunk])
             if trained is None:  # one at a time, as `train` does
-                if not alone and self.settings.fuse_clients > 1:  # said once a group, when asked to fuse
+                if not job.said_not_fused and self.settings.fuse_clients > 1:  # once a job, if asked to fuse
                     log.info("tasks_not_fused", count=len(chunk), group=len(ready))
-                alone = True
+                    job.said_not_fused = True
                 for i, data, ctx in chunk:
                     try:
                         began = time.perf_counter()
