@@ -261,16 +261,29 @@ class _Trainer:
         """Whether the loss of a batch, its gradient and every metric are the means of its examples'
         (a cross-entropy, a squared error, an accuracy), so that padded batches with masks give the
         same step; else (sums, weighted or pairwise losses) clients are grouped by batch size only."""
-        params = {n: r[0] for n, r in self.rows.items()}
-        whole_grad, (whole, whole_aux) = torch.func.grad_and_value(self._loss, has_aux=True)(params, batch)
         mask = torch.ones(batch_size_of(batch), device=self.device)
-        each_grad, (each, each_aux) = torch.func.grad_and_value(self._masked_loss, has_aux=True)(
-            params, batch, mask)
+        whole_grad, (whole, whole_aux) = self._grad_and_value(self._loss, batch)
+        each_grad, (each, each_aux) = self._grad_and_value(self._masked_loss, batch, mask)
         pairs = [(whole, each)] + [(whole_grad[n], each_grad[n]) for n in whole_grad]
         pairs += [(whole_aux[n], each_aux[n]) for n in whole_aux if n in each_aux]
         return set(whole_aux) == set(each_aux) and all(
             bool(torch.allclose(a, b, rtol=1e-4, atol=1e-6)) for a, b in pairs
         )
+
+    def _grad_and_value(
+        self, loss: Any, *inputs: Any
+    ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """The first client's gradient of `loss(params, *inputs)`, and its value and metrics: as
+        torch.func.grad_and_value gives them (zeros for a parameter the loss does not use), by autograd
+        itself. torch.func's grad imports torch._dynamo on its first call (1.7-2.2 s here), which a
+        process would pay before its first fused step."""
+        with torch.enable_grad():
+            params = {n: r[0].detach().requires_grad_(True) for n, r in self.rows.items()}
+            value, aux = loss(params, *inputs)
+            found = torch.autograd.grad(value, list(params.values()), allow_unused=True)
+        grads = {n: torch.zeros_like(p) if g is None else g
+                 for (n, p), g in zip(params.items(), found, strict=True)}
+        return grads, (value.detach(), {n: a.detach() for n, a in aux.items()})
 
     def run(self) -> list[Fused]:
         self.call.model.train()

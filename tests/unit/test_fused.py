@@ -7,7 +7,11 @@ generator: fused training must draw the same batches and land within float toler
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -405,3 +409,25 @@ def test_a_client_whose_weights_went_non_finite_is_the_only_one_not_known_finite
     fused = train_fused(task, model, data, contexts(model, 3, SETTINGS["sgd"]))
     assert fused is not None
     assert [f.finite for f in fused] == [True, False, True]
+
+
+def test_fused_training_and_its_recordings_leave_torch_dynamo_unimported() -> None:
+    # torch.func's grad and a TorchDispatchMode's default wrapping import torch._dynamo (1.7-2.2 s
+    # on 2 cores) at their first call: a fresh `fedmq run` paid it in its first round.
+    script = """
+import sys
+import torch
+from tests.unit.test_fused import Mlp, SETTINGS, clients, contexts, model_for
+from fedmq.common.task.fused import train_fused
+from fedmq.common.task.traced import RECORD_AT
+task, data = Mlp(), clients()
+model = model_for(task)
+for _ in range(RECORD_AT + 1):  # decided, run as written, recorded, then replayed
+    assert train_fused(task, model, data, contexts(model, len(data), SETTINGS["sgd"])) is not None
+print(sorted(name for name in sys.modules if name.startswith("torch._dynamo")))
+"""
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
