@@ -244,6 +244,20 @@ def test_only_a_batchnorm_with_torchs_own_forward_fuses_its_buffers(norm: type[n
         assert why is not None and norm.__name__ in why and "keeps buffers" in why
 
 
+@pytest.mark.parametrize("hidden", [16, 3276, 3277])
+def test_on_a_cpu_a_model_over_the_fused_limit_trains_one_client_at_a_time(hidden: int) -> None:
+    # 6 -> hidden -> 3 with biases: 10·hidden + 3 float32 parameters; 3276 at the limit, 3277 past it.
+    from fedmq.common.task.fused import FUSE_CPU_MAX_BYTES
+
+    model = nn.Sequential(nn.Linear(6, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+    size = sum(p.numel() * 4 for p in model.parameters())
+    why = can_fuse(model, contexts(model, 1, SETTINGS["sgd"])[0])
+    if size <= FUSE_CPU_MAX_BYTES:
+        assert why is None
+    else:
+        assert why is not None and "one client at a time on a CPU" in why, why
+
+
 class Tied(Mlp):
     def build_model(self) -> nn.Module:
         model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
