@@ -159,12 +159,13 @@ class Settings(BaseSettings):
         "broker hop sooner; closes at the deadline stay the scheduler's). false: the scheduler always "
         "sends the RoundClose, as aggregators older than this setting need",
     )
-    fuse_clients: int = Field(
-        64, ge=1, description="the most clients a learner trains together in one fused group (of the share "
+    fuse_clients: int | None = Field(
+        None, ge=1, description="the most clients a learner trains together in one fused group (of the share "
         "of a round the scheduler sends it in one message), for jobs that fuse (train.fuse not false), and "
         "fewer where fuse_memory_bytes holds fewer; 1: each client alone (through the fused kernel, as a "
-        "group of two, so its bits do not depend on its company). `fedmq run`: its share of a round's "
-        "clients",
+        "group of two). Unset: 64 on a CPU (a client's bits do not depend on its group there), 1 on a GPU "
+        "(its batched kernels may change the last bits with the group's size). `fedmq run`: its share of "
+        "a round's clients",
     )
     dp_key: SecretStr | None = Field(
         None, description="learners: the secret that seeds train.dp_sgd's noise and batch order; give every "

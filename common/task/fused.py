@@ -34,7 +34,8 @@ group's size: the last bits may differ there.
 
 `train_fused` answers None when it cannot fuse, and the caller trains one client at a time as
 before: data that is not indexable (a DataLoader), a loss that draws random numbers (dropout),
-metrics that are not tensors or floats, or SCAFFOLD's controls. `max_steps` ends each client's
+metrics that are not tensors or floats, SCAFFOLD's controls, or on a CPU a model over
+FUSE_CPU_MAX_BYTES (slower fused there). `max_steps` ends each client's
 stream of batches after that many, as it ends the sequential loop: its metrics and example count are
 then those of the epoch it stopped in, as the loop's are.
 """
@@ -131,7 +132,7 @@ def train_fused(
     settings = ctxs[0].train
     if any(ctx.train != settings or ctx.config != ctxs[0].config for ctx in ctxs):
         return None
-    if can_fuse(model, ctxs[0]):  # what it asks of a context is its train section and config: one
+    if can_fuse(model, ctxs[0]):  # what it asks of a context is its train section, config and device: one
         return None
     sources = [source(data, "training data") for data in datas]
     if not all(src.indexable for src in sources):
@@ -290,7 +291,7 @@ class _Trainer:
         """The first client's gradient of `loss(params, *inputs)`, and its value and metrics: as
         torch.func.grad_and_value gives them (zeros for a parameter the loss does not use), by autograd
         itself. torch.func's grad imports torch._dynamo on its first call (1.7-2.2 s here), which a
-        process would pay before its first fused step."""
+        process would pay before its first fused step (DP-SGD's per-example gradients still do)."""
         with torch.enable_grad():
             params = {n: r[0].detach().requires_grad_(True) for n, r in self.rows.items()}
             value, aux = loss(params, *inputs)
@@ -663,12 +664,12 @@ def _stream(
         else:
             batches = src.batches(settings.batch_size, generator)
         for batch in batches:
-            if left is not None:
-                if left == 0:
-                    return
-                left -= 1
             yield batch, first
             first = False
+            if left is not None:
+                left -= 1
+                if left == 0:  # before the next batch is drawn (a Dataset's items are read then)
+                    return
 
 
 def _signature(batch: Any, per_example: bool = False) -> tuple[int, ...] | int:

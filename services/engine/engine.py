@@ -112,7 +112,7 @@ class Engine:
         cached = (settings.data_cache_clients if "data_cache_clients" in settings.model_fields_set
                   else min(spec.clients.total, DATA_CLIENTS))
         self.settings = settings.model_copy(update={
-            "fuse_clients": max(settings.fuse_clients, sampled),
+            "fuse_clients": max(settings.fuse_clients or 1, sampled),
             "data_cache_clients": max(cached, sampled),
         })
         self.root = Path(settings.state_dir) / "engine"

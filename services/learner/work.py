@@ -88,6 +88,9 @@ def _own_copy_kept(task: TrainTask) -> bool:
     return task.config.get(CLIENT_STATE) == LEARNER_STATE and task.state_from is not None
 
 
+CPU_FUSE_CLIENTS = 64  # a learner's fused group on a CPU when FEDMQ_FUSE_CLIENTS is unset
+
+
 def _no_state(job_id: str, server_round: int, client: int) -> dict[str, torch.Tensor]:
     raise FedmqError("this learner cannot fetch client state")
 
@@ -107,6 +110,7 @@ class JobContext:
     plain: bool | None = None  # `_plain`, once known
     update_bytes: int | None = None  # the model's tensors as an update encodes them, once known
     said_not_fused: bool = False  # `tasks_not_fused` is logged once a job
+    cannot_fuse: str | None = None  # can_fuse for its model on this device, once asked ("": it can)
 
     def load(
         self, weights: Mapping[str, torch.Tensor], server_round: int, client: int, digest: str | None = None
@@ -428,8 +432,12 @@ class Work:
         if (isinstance(train, dict) and train.get("fuse") is False) or task.config.get(CLIENT_STATE):
             return False
         job = self._job(task.job_id, task.spec)
-        return (job.spec.train.fuse is not False and not has_train(job.runtime.task)
-                and not keeps_state(job.spec, job.runtime.task))
+        if (job.spec.train.fuse is False or has_train(job.runtime.task)
+                or keeps_state(job.spec, job.runtime.task)):
+            return False
+        if job.cannot_fuse is None:  # its model, this device and its train section decide: once a job
+            job.cannot_fuse = can_fuse(job.model, self._context(job, task, {}, {})) or ""
+        return not job.cannot_fuse
 
     def unfused_reason(self, task: TrainTask) -> str:
         """Why a task's clients train one at a time though its job may fuse (said once by `fedmq run`)."""
@@ -476,7 +484,7 @@ class Work:
         job = self._job(first.job_id, first.spec)
         # A fused group holds its clients' data at once anyway; a cache smaller than a group would
         # load every client of every round again (100 digits clients a round: 64 cached, none hit).
-        self.data.limit = max(self.data.limit, min(len(tasks), self.settings.fuse_clients))
+        self.data.limit = max(self.data.limit, min(len(tasks), self.fuse_clients))
         started = time.perf_counter()
         weights, fetch_bytes = self._weights(job, first.job_id, first.model_digest, first.model)
         fetched = time.perf_counter()
@@ -503,7 +511,7 @@ class Work:
                 holds_global = True
             trained = job.runtime.train_group(job.model, [d for _, d, _ in chunk], [c for _, _, c in chunk])
             if trained is None:  # one at a time, as `train` does
-                if not job.said_not_fused and self.settings.fuse_clients > 1:  # once a job, if asked to fuse
+                if not job.said_not_fused and self.fuse_clients > 1:  # once a job, when asked to fuse
                     log.info("tasks_not_fused", count=len(chunk), group=len(ready))
                     job.said_not_fused = True
                 for i, data, ctx in chunk:
@@ -544,11 +552,20 @@ class Work:
 
     def group_limit(self, job: JobContext) -> int:
         """The most clients in one fused group: FEDMQ_FUSE_CLIENTS, and what fits the memory budget."""
-        if self.settings.fuse_clients <= 1:
+        if self.fuse_clients <= 1:
             return 1
         budget = self.settings.fuse_memory_bytes or fuse_budget(self.device)
         fits = group_size(job.model, self._train_settings(job), budget)
-        return max(1, min(self.settings.fuse_clients, fits))
+        return max(1, min(self.fuse_clients, fits))
+
+    @property
+    def fuse_clients(self) -> int:
+        """FEDMQ_FUSE_CLIENTS; unset, 64 on a CPU, where a client's fused bits do not depend on its
+        group, and 1 on an accelerator, where the batched kernels may change the last bits with the
+        group's size (each client then trains as a group of two, the same bits in any run)."""
+        if self.settings.fuse_clients is not None:
+            return self.settings.fuse_clients
+        return CPU_FUSE_CLIENTS if self.device.type == "cpu" else 1
 
     def _train_settings(self, job: JobContext) -> TrainSettings:
         """Made for each task: a Task may write into its `options`, and no client may see another's."""

@@ -166,6 +166,37 @@ def test_max_steps_ends_each_clients_training_where_the_sequential_loop_ends_it(
         assert torch.equal(ctxs[i].generator.get_state(), ctx.generator.get_state()), f"client {i}'s draws"
 
 
+class Counted(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A map-style Dataset (no tensor bank: its batches are read as drawn) that counts its reads."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y, self.reads = x, y, 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads += 1
+        return self.x[i], self.y[i]
+
+
+def test_max_steps_reads_no_example_past_its_last_step() -> None:
+    task = Mlp()
+    model = model_for(task)
+    settings = TrainSettings(epochs=2, batch_size=8, lr=0.1, max_steps=2)
+    fused_data = [Counted(*d) for d in clients()]
+    fused = train_fused(task, model, fused_data, contexts(model, len(fused_data), settings))
+    assert fused is not None
+    start = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    ctxs = contexts(model, len(fused_data), settings)
+    for i, (ctx, (x, y)) in enumerate(zip(ctxs, clients(), strict=True)):
+        alone = Counted(x, y)
+        one = model_for(task)
+        one.load_state_dict(start)
+        train_with_loss(task, one, alone, ctx)
+        assert fused_data[i].reads == alone.reads, (i, fused_data[i].reads, alone.reads)
+
+
 @pytest.mark.parametrize("why", ["dropout", "dataloader", "scaffold", "frozen"])
 def test_what_cannot_be_fused_answers_none_so_the_caller_trains_one_by_one(why: str) -> None:
     task = Mlp(dropout=0.5 if why == "dropout" else 0.0)
